@@ -1,0 +1,269 @@
+"""Anchors, block layout and the one attention-mask rule of DFlash training.
+
+Owns: document ids of a packed row, per-document anchor sampling, the layout of the draft blocks
+(inputs, rope positions, labels, loss weights), and the mask rule. The rule is written once, as
+a flex-attention `mask_mod` over tensors; the flex `BlockMask` (CUDA), the dense boolean mask
+(CPU, sdpa) and the tests all evaluate that same function.
+
+Layout of one drafter forward on a packed row of T tokens with N blocks of B tokens:
+queries are the N*B block tokens (block n at rows n*B .. n*B+B-1); keys are
+[T context features ; N*B block tokens]. A block whose anchor sits at packed position a
+predicts the tokens at a+1 .. a+B-1 of the same document.
+
+Shape legend: T packed tokens, N blocks, B block size, K = B - 1 predicted positions per block,
+Q = N*B query rows, KV = T + Q key columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def document_ids(doc_lengths: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
+    """Document index of every packed position: `repeat_interleave` of the lengths.
+
+    Positions past sum(doc_lengths) (padding up to a bucketed `total_len`) get the id
+    `len(doc_lengths)`, a document of their own that no anchor belongs to.
+    """
+    doc_lengths = doc_lengths.to(torch.long)
+    num_docs = doc_lengths.numel()
+    ids_T = torch.repeat_interleave(
+        torch.arange(num_docs, device=doc_lengths.device, dtype=torch.long), doc_lengths
+    )
+    if total_len is not None:
+        pad = total_len - ids_T.numel()
+        if pad < 0:
+            raise ValueError(f"documents hold {ids_T.numel()} tokens, more than total_len={total_len}")
+        ids_T = torch.cat([ids_T, ids_T.new_full((pad,), num_docs)])
+    return ids_T
+
+
+def document_starts(doc_lengths: torch.Tensor) -> torch.Tensor:
+    """Packed start offset of each document (and one extra entry: the end of the last)."""
+    doc_lengths = doc_lengths.to(torch.long)
+    return torch.cat([doc_lengths.new_zeros(1), torch.cumsum(doc_lengths, 0)])
+
+
+def step_generator(seed: int, step: int, rank: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one step's random draws (anchors, noise), a pure function of
+    (seed, step, rank): a resumed run draws exactly what an uninterrupted one would."""
+    gen = torch.Generator(device=device)
+    # Mix the three integers into one 63-bit seed (splitmix-style constants).
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (2**63 - 1)
+    gen.manual_seed(mixed)
+    return gen
+
+
+def sample_anchors(
+    loss_mask_T: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    pad_to_multiple: int = 1,
+) -> torch.Tensor:
+    """Sample up to `num_anchors` anchors per document, uniformly without replacement, among
+    supervised positions whose next position is supervised and in the same document.
+
+    Sampling is per document (never per row), so short documents packed next to long ones
+    keep their share. Returns sorted packed positions [N]; with `pad_to_multiple` > 1 the
+    list is padded with -1 (blocks that see nothing but themselves and carry no loss) to a
+    multiple of it, which bounds the set of shapes the drafter is compiled for. A row with no
+    valid anchor returns padding blocks only.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    device = loss_mask_T.device
+    T = loss_mask_T.numel()
+    doc_T = document_ids(doc_lengths.to(device), T)
+    sup_T = loss_mask_T.to(torch.bool)
+    valid_T = torch.zeros_like(sup_T)
+    valid_T[:-1] = sup_T[:-1] & sup_T[1:] & (doc_T[:-1] == doc_T[1:])
+    # Random key in [0, 1) per valid position, 2 for invalid ones; sorting by doc + key/4
+    # groups documents in order and shuffles each document's valid positions first.
+    key_T = torch.rand(T, generator=generator, device=device, dtype=torch.float64)
+    key_T = torch.where(valid_T, key_T, torch.full_like(key_T, 2.0))
+    order_T = torch.argsort(doc_T.to(torch.float64) + key_T / 4.0)
+    starts = document_starts(torch.bincount(doc_T, minlength=int(doc_lengths.numel()) + 1))
+    rank_T = torch.arange(T, device=device) - starts[doc_T[order_T]]
+    chosen_T = torch.zeros_like(valid_T)
+    chosen_T[order_T] = valid_T[order_T] & (rank_T < num_anchors)
+    anchors_N = torch.nonzero(chosen_T).flatten()
+    # A row without any valid anchor still yields one (padding) block, so every step has a
+    # well-formed, if lossless, drafter forward instead of a zero-length attention.
+    multiple = max(1, pad_to_multiple)
+    pad = (-anchors_N.numel()) % multiple if anchors_N.numel() else multiple
+    if pad:
+        anchors_N = torch.cat([anchors_N, anchors_N.new_full((pad,), -1)])
+    return anchors_N
+
+
+@dataclass
+class BlockLayout:
+    """Everything about the N blocks of one packed row that does not depend on the model.
+
+    Built once per step by `build_layout`, shared by the mask, the drafter inputs and the loss.
+    """
+
+    block_size: int
+    num_ctx: int  # T
+    doc_T: torch.Tensor  # document id per packed position
+    anchors_N: torch.Tensor  # packed anchor position, -1 for padding blocks
+    anchor_doc_N: torch.Tensor  # document of each anchor, -2 for padding blocks
+    block_pos_NB: torch.Tensor  # packed position each block token stands for
+    rope_ctx_T: torch.Tensor  # in-document position of every context token
+    rope_block_NB: torch.Tensor  # in-document position of every block token
+    valid_NB: torch.Tensor  # bool: a supervised target inside the anchor's document (k >= 1)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors_N.numel()
+
+    def position_ids(self) -> torch.Tensor:
+        """Rope positions [1, T + N*B] in the drafter's calling convention (context, then blocks)."""
+        return torch.cat([self.rope_ctx_T, self.rope_block_NB.flatten()])[None]
+
+    def block_input_ids(self, input_ids_T: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+        """Block inputs [N*B]: the anchor's own token, then B-1 mask tokens."""
+        ids_NB = torch.full_like(self.block_pos_NB, mask_token_id)
+        ids_NB[:, 0] = input_ids_T[self.anchors_N.clamp(min=0)]
+        return ids_NB.flatten()
+
+    def labels(self, labels_T: torch.Tensor) -> torch.Tensor:
+        """Targets [N*B]: `labels_T` read at each block position (0 where out of range).
+
+        `labels_T[p]` is the token the drafter must produce at packed position p: the data
+        token itself (paper default) or the target's greedy prediction for p.
+        """
+        pos_NB = self.block_pos_NB.clamp(0, self.num_ctx - 1)
+        return torch.where(self.valid_NB, labels_T[pos_NB], torch.zeros_like(pos_NB)).flatten()
+
+    def mask_mod(self, sliding_window: int | None = None) -> MaskMod:
+        """The mask rule for this layout (see `block_mask_mod`)."""
+        return block_mask_mod(self.doc_T, self.anchors_N, self.anchor_doc_N, self.block_size, sliding_window)
+
+
+def build_layout(
+    anchors_N: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    block_size: int,
+) -> BlockLayout:
+    """Lay out one block per anchor. Block positions past the anchor's document end are cut:
+    they stay in the block (as mask tokens) but carry no loss."""
+    device = anchors_N.device
+    T = loss_mask_T.numel()
+    doc_lengths = doc_lengths.to(device=device, dtype=torch.long)
+    doc_T = document_ids(doc_lengths, T)
+    # starts[d] for d in 0..D, where d = D is the padding past the last document; ends alike.
+    starts = document_starts(doc_lengths)
+    ends = torch.cat([starts[1:], starts.new_full((1,), T)])
+    pad_N = anchors_N < 0
+    a_N = anchors_N.clamp(min=0)
+    anchor_doc_N = torch.where(pad_N, torch.full_like(a_N, -2), doc_T[a_N])
+    offsets_B = torch.arange(block_size, device=device)
+    pos_NB = a_N[:, None] + offsets_B[None, :]
+    start_N = starts[doc_T[a_N]]
+    end_N = ends[doc_T[a_N]]
+    sup_NB = loss_mask_T.to(torch.bool)[pos_NB.clamp(max=T - 1)]
+    valid_NB = (
+        (offsets_B[None, :] >= 1) & (pos_NB < end_N[:, None]) & sup_NB & ~pad_N[:, None]
+    )
+    rope_ctx_T = torch.arange(T, device=device) - starts[doc_T]
+    rope_block_NB = pos_NB - start_N[:, None]
+    return BlockLayout(
+        block_size=block_size,
+        num_ctx=T,
+        doc_T=doc_T,
+        anchors_N=anchors_N,
+        anchor_doc_N=anchor_doc_N,
+        block_pos_NB=pos_NB,
+        rope_ctx_T=rope_ctx_T,
+        rope_block_NB=rope_block_NB,
+        valid_NB=valid_NB,
+    )
+
+
+def block_mask_mod(
+    doc_T: torch.Tensor,
+    anchors_N: torch.Tensor,
+    anchor_doc_N: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> MaskMod:
+    """THE mask rule. Query row q belongs to block n = q // B (offset q % B, anchor a = anchors_N[n]).
+
+    A context key at packed position p is visible iff it is in the anchor's document and p < a
+    (strictly: the target's feature at the anchor itself is not available at inference).
+    A block key is visible iff it belongs to the same block: bidirectional, or causal under a
+    sliding window W, where context keys must also satisfy p > a + (q % B) - W.
+    No other block is ever visible. Padding blocks (anchor -1) see only themselves.
+    """
+    T = doc_T.numel()
+    B = block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block_q = q_idx // B
+        anchor = anchors_N[block_q]
+        is_ctx = kv_idx < T
+        p = torch.clamp(kv_idx, max=T - 1)
+        ctx_ok = is_ctx & (doc_T[p] == anchor_doc_N[block_q]) & (p < anchor)
+        block_kv = torch.clamp(kv_idx - T, min=0) // B
+        blk_ok = ~is_ctx & (block_kv == block_q)
+        if sliding_window is not None:
+            q_off = q_idx % B
+            ctx_ok = ctx_ok & (p > anchor + q_off - sliding_window)
+            blk_ok = blk_ok & ((kv_idx - T) % B <= q_off)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
+    """Evaluate a mask rule on every (query, key) pair: bool [q_len, kv_len], True = visible."""
+    q_idx = torch.arange(q_len, device=device)[:, None]
+    kv_idx = torch.arange(kv_len, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(zero, zero, q_idx, kv_idx)
+
+
+def flex_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, block: int = 128):
+    """A flex-attention BlockMask of the same rule; creation is compiled on CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compiled = torch.device(device).type == "cuda"
+    return create_block_mask(
+        mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=block, _compile=compiled
+    )
+
+
+def build_attention_masks(
+    layout: BlockLayout,
+    layer_types: list[str],
+    sliding_window: int | None,
+    backend: str,
+) -> dict[str, object]:
+    """One mask per kind of layer present ("full_attention", "sliding_attention"), built once
+    per step and shared by every layer of that kind. backend: "flex" -> BlockMask, "sdpa" ->
+    dense bool [Q, KV]."""
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
+    q_len = layout.num_blocks * layout.block_size
+    kv_len = layout.num_ctx + q_len
+    device = layout.anchors_N.device
+    masks: dict[str, object] = {}
+    for kind in dict.fromkeys(layer_types):
+        window = sliding_window if kind == SLIDING_ATTENTION else None
+        mod = layout.mask_mod(window)
+        if backend == "flex":
+            masks[kind] = flex_block_mask(mod, q_len, kv_len, device)
+        else:
+            masks[kind] = dense_mask(mod, q_len, kv_len, device)
+    return masks

@@ -1,0 +1,113 @@
+"""The decayed block loss against F.cross_entropy, chunking, and the acceptance count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train.loss import accepted_run_length, block_loss, default_gamma, position_weights
+
+
+def _case(seed=0, N=7, B=4, H=16, V=50):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N * B, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (N * B,), generator=g)
+    valid = torch.rand(N * B, generator=g) < 0.7
+    valid.view(N, B)[:, 0] = False
+    return hidden, weight, labels, valid
+
+
+def test_loss_equals_weighted_cross_entropy_reference():
+    B, gamma = 4, 2.5
+    hidden, weight, labels, valid = _case(B=B)
+    h = hidden.clone().requires_grad_(True)
+    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=5)
+    # Reference: explicit weights w_k = exp(-(k-1)/gamma) for k >= 1 on valid rows.
+    k = torch.arange(h.shape[0]) % B
+    w = torch.where(valid, torch.exp(-(k - 1).double() / gamma), torch.zeros((), dtype=torch.float64))
+    h_ref = hidden.clone().requires_grad_(True)
+    ce = F.cross_entropy(h_ref @ weight.t(), labels, reduction="none")
+    ref = (w * ce).sum() / w.sum()
+    torch.testing.assert_close(out.loss().double(), ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.weight_sum.double(), w.sum(), atol=1e-6, rtol=1e-6)
+    out.loss().backward()
+    ref.backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_and_unchunked_agree():
+    B = 4
+    hidden, weight, labels, valid = _case(seed=3, N=9, B=B)
+    hidden, weight = hidden.float(), weight.float()
+    grads, losses = [], []
+    for chunk in (1, 7, 4096):
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk)
+        (out.loss() * 3.0).backward()
+        losses.append(out.loss().detach())
+        grads.append(h.grad)
+    for l, g in zip(losses[1:], grads[1:]):
+        torch.testing.assert_close(l, losses[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-6)
+
+
+def test_sum_form_is_exact_across_micro_batches():
+    B = 4
+    hidden, weight, labels, valid = _case(seed=5, N=10, B=B)
+    whole = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
+    a = block_loss(hidden[:12], weight, labels[:12], valid[:12], B, gamma=3.0)
+    b = block_loss(hidden[12:], weight, labels[12:], valid[12:], B, gamma=3.0)
+    torch.testing.assert_close((a.loss_sum + b.loss_sum) / (a.weight_sum + b.weight_sum), whole.loss())
+
+
+def test_invalid_rows_and_their_labels_do_not_matter():
+    B = 4
+    hidden, weight, labels, valid = _case(seed=9, B=B)
+    junk = torch.where(valid, labels, torch.full_like(labels, 10**6))  # out-of-vocab where invalid
+    a = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
+    b = block_loss(hidden, weight, junk, valid, B, gamma=3.0)
+    assert torch.equal(a.loss_sum, b.loss_sum) and torch.equal(a.correct_K, b.correct_K)
+
+
+def test_accepted_run_length_matches_a_loop():
+    g = torch.Generator().manual_seed(0)
+    m = torch.rand(200, 15, generator=g) < 0.8
+    runs = accepted_run_length(m)
+    for row, r in zip(m.tolist(), runs.tolist()):
+        n = 0
+        while n < len(row) and row[n]:
+            n += 1
+        assert r == n
+    assert accepted_run_length(torch.ones(3, 15, dtype=torch.bool)).tolist() == [15] * 3
+    assert accepted_run_length(torch.zeros(2, 15, dtype=torch.bool)).tolist() == [0, 0]
+
+
+def test_accuracy_and_run_statistics():
+    """Hidden states built so that predictions are right exactly where planned."""
+    B, V = 4, 8
+    weight = torch.eye(V)
+    # Block 0: all correct; block 1: wrong at k=2; block 2: cut after k=1 (document end).
+    labels = torch.tensor([0, 1, 2, 3, 0, 4, 5, 6, 0, 7, 1, 1])
+    preds = torch.tensor([9, 1, 2, 3, 9, 4, 0, 6, 9, 7, 1, 1]) % V
+    hidden = F.one_hot(preds, V).float() * 10
+    valid = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 0, 0], dtype=torch.bool)
+    out = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
+    assert out.correct_K.tolist() == [3, 1, 2]
+    assert out.count_K.tolist() == [3, 2, 2]
+    # Runs: 3, 1, 1 (block 2's run stops where its document ends).
+    assert out.run_sum.item() == 5 and out.num_blocks.item() == 3
+    assert out.run_hist.tolist() == [0, 2, 0, 1]
+
+
+def test_gamma_defaults_and_weights():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    with pytest.raises(ValueError, match="loss.gamma"):
+        default_gamma(12)
+    w = position_weights(16)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="positive"):
+        position_weights(16, gamma=0)

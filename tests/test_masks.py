@@ -1,0 +1,191 @@
+"""The mask rule, anchors and block layout against slow, literal references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.masks import (
+    build_attention_masks,
+    build_layout,
+    dense_mask,
+    document_ids,
+    flex_block_mask,
+    sample_anchors,
+    step_generator,
+)
+
+from conftest import random_packed_row
+
+
+def brute_force_rule(doc_lengths, T, anchors, B, window=None):
+    """The rule in words, as a Python loop: same document, context strictly before the anchor,
+    own block only (bidirectional, or causal under a window), context within the window."""
+    doc = []
+    for d, n in enumerate(doc_lengths):
+        doc += [d] * n
+    doc += [len(doc_lengths)] * (T - len(doc))
+    N = len(anchors)
+    out = torch.zeros(N * B, T + N * B, dtype=torch.bool)
+    for n, a in enumerate(anchors):
+        for qo in range(B):
+            q = n * B + qo
+            for p in range(T):
+                ok = a >= 0 and doc[p] == doc[a] and p < a
+                if window is not None:
+                    ok = ok and (a + qo) - p < window
+                out[q, p] = ok
+            for ko in range(B):
+                out[q, T + n * B + ko] = ko <= qo if window is not None else True
+    return out
+
+
+def layouts(num_cases=12, B=4):
+    gen = torch.Generator().manual_seed(1234)
+    for case in range(num_cases):
+        num_docs = 1 + case % 4
+        pad = (case % 3) * 3
+        lengths, loss_mask = random_packed_row(gen, num_docs, pad=pad)
+        # Many anchors per document: overlapping blocks and blocks running past document ends.
+        anchors = sample_anchors(loss_mask, lengths, num_anchors=6, generator=gen, pad_to_multiple=1 + case % 3)
+        yield lengths, loss_mask, anchors, B
+
+
+@pytest.mark.parametrize("window", [None, 5, 9])
+def test_dense_mask_equals_brute_force(window):
+    seen_overlap = seen_cut = seen_empty_doc = seen_pad = False
+    for lengths, loss_mask, anchors, B in layouts():
+        layout = build_layout(anchors, loss_mask, lengths, B)
+        T = loss_mask.numel()
+        N = anchors.numel()
+        got = dense_mask(layout.mask_mod(window), N * B, T + N * B, "cpu")
+        want = brute_force_rule(lengths.tolist(), T, anchors.tolist(), B, window)
+        assert torch.equal(got, want)
+        a = anchors[anchors >= 0]
+        seen_overlap |= bool(((a[1:] - a[:-1]) < B).any())
+        seen_cut |= bool((~layout.valid_NB[:, 1:] & (anchors >= 0)[:, None]).any())
+        seen_pad |= bool((anchors < 0).any())
+        docs_with_anchor = set(document_ids(lengths, T)[a].tolist())
+        seen_empty_doc |= len(docs_with_anchor) < len(lengths)
+    assert seen_overlap and seen_cut and seen_empty_doc and seen_pad, "cases must cover the corners"
+
+
+def _tiles(bm, kind):
+    """Set of (q_tile, kv_tile) pairs a BlockMask lists as partial ('kv') or full ('full_kv')."""
+    num = getattr(bm, f"{kind}_num_blocks")[0, 0]
+    idx = getattr(bm, f"{kind}_indices")[0, 0]
+    return {(i, int(j)) for i in range(num.numel()) for j in idx[i, : int(num[i])]}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_flex_block_mask_equals_brute_force(window):
+    tile = 8
+    for lengths, loss_mask, anchors, B in layouts(num_cases=6):
+        layout = build_layout(anchors, loss_mask, lengths, B)
+        T, N = loss_mask.numel(), anchors.numel()
+        Q, KV = N * B, T + N * B
+        bm = flex_block_mask(layout.mask_mod(window), Q, KV, "cpu", block=tile)
+        want = brute_force_rule(lengths.tolist(), T, anchors.tolist(), B, window)
+        # Pad to whole tiles (flex treats out-of-range rows/columns as masked).
+        qt, kt = -(-Q // tile), -(-KV // tile)
+        padded = torch.zeros(qt * tile, kt * tile, dtype=torch.bool)
+        padded[:Q, :KV] = want
+        inside = torch.zeros_like(padded)
+        inside[:Q, :KV] = True
+        tiles = padded.view(qt, tile, kt, tile)
+        any_t = tiles.any(dim=(1, 3))
+        all_t = (tiles | ~inside.view(qt, tile, kt, tile)).all(dim=(1, 3)) & inside.view(qt, tile, kt, tile).all(dim=(1, 3))
+        partial, full = _tiles(bm, "kv"), _tiles(bm, "full_kv")
+        assert partial.isdisjoint(full)
+        assert partial | full == {(i, j) for i in range(qt) for j in range(kt) if any_t[i, j]}
+        assert full == {(i, j) for i in range(qt) for j in range(kt) if all_t[i, j]}
+        # Inside partial tiles, flex evaluates the same mask_mod the dense mask comes from.
+        assert torch.equal(dense_mask(bm.mask_mod, Q, KV, "cpu"), want)
+
+
+def test_build_attention_masks_one_per_layer_kind():
+    gen = torch.Generator().manual_seed(0)
+    lengths, loss_mask = random_packed_row(gen, 3)
+    anchors = sample_anchors(loss_mask, lengths, 4, gen)
+    layout = build_layout(anchors, loss_mask, lengths, 4)
+    kinds = ["full_attention", "sliding_attention", "full_attention"]
+    masks = build_attention_masks(layout, kinds, sliding_window=7, backend="sdpa")
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    assert not torch.equal(masks["full_attention"], masks["sliding_attention"])
+    with pytest.raises(ValueError, match="backend"):
+        build_attention_masks(layout, kinds, 7, backend="eager")
+
+
+def _valid_anchor_positions(loss_mask, lengths):
+    doc = document_ids(lengths, loss_mask.numel())
+    ok = torch.zeros_like(loss_mask)
+    ok[:-1] = loss_mask[:-1] & loss_mask[1:] & (doc[:-1] == doc[1:])
+    return ok, doc
+
+
+def test_anchors_are_valid_sorted_per_document_and_reproducible():
+    gen = torch.Generator().manual_seed(7)
+    for case in range(40):
+        lengths, loss_mask = random_packed_row(gen, 1 + case % 5, max_len=40, pad=case % 4)
+        k = 1 + case % 6
+        anchors = sample_anchors(loss_mask, lengths, k, step_generator(3, case))
+        again = sample_anchors(loss_mask, lengths, k, step_generator(3, case))
+        assert torch.equal(anchors, again)
+        ok, doc = _valid_anchor_positions(loss_mask, lengths)
+        if not ok.any():  # nothing to anchor on: exactly one padding block
+            assert anchors.tolist() == [-1]
+            continue
+        assert bool(ok[anchors].all())
+        assert torch.equal(anchors, anchors.sort().values) and anchors.unique().numel() == anchors.numel()
+        per_doc = torch.bincount(doc[anchors], minlength=len(lengths) + 1)
+        avail = torch.bincount(doc[ok], minlength=len(lengths) + 1)
+        assert torch.equal(per_doc, torch.minimum(avail, torch.full_like(avail, k)))
+
+
+def test_short_document_keeps_its_anchors_next_to_a_long_one():
+    lengths = torch.tensor([2000, 12])
+    loss_mask = torch.ones(2012, dtype=torch.bool)
+    anchors = sample_anchors(loss_mask, lengths, num_anchors=8, generator=step_generator(0, 0))
+    assert int((anchors >= 2000).sum()) == 8
+    assert int((anchors < 2000).sum()) == 8
+
+
+def test_anchors_cover_positions_uniformly():
+    lengths = torch.tensor([20])
+    loss_mask = torch.ones(20, dtype=torch.bool)
+    counts = torch.zeros(20)
+    for step in range(2000):
+        counts[sample_anchors(loss_mask, lengths, 3, step_generator(1, step))] += 1
+    # 19 valid positions (the last has no successor), each drawn with probability 3/19.
+    assert counts[19] == 0
+    expected = 2000 * 3 / 19
+    assert ((counts[:19] - expected).abs() < 0.25 * expected).all()
+    assert not torch.equal(
+        sample_anchors(loss_mask, lengths, 3, step_generator(1, 0)),
+        sample_anchors(loss_mask, lengths, 3, step_generator(1, 1)),
+    ) or not torch.equal(
+        sample_anchors(loss_mask, lengths, 3, step_generator(1, 0)),
+        sample_anchors(loss_mask, lengths, 3, step_generator(1, 2)),
+    )
+
+
+def test_layout_labels_positions_and_cuts():
+    lengths = torch.tensor([6, 5])
+    input_ids = torch.arange(100, 111)
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    anchors = torch.tensor([3, 4, 7, -1])
+    layout = build_layout(anchors, loss_mask, lengths, block_size=4)
+    assert layout.block_input_ids(input_ids, 99).view(4, 4).tolist() == [
+        [103, 99, 99, 99], [104, 99, 99, 99], [107, 99, 99, 99], [100, 99, 99, 99]
+    ]
+    # Block at 3 in doc 0 (positions 0..5): predicts 4, 5; 6 is past the document end.
+    assert layout.valid_NB.tolist() == [
+        [False, True, True, False],
+        [False, True, False, False],
+        [False, True, False, True],  # doc 1 = positions 6..10; position 9 unsupervised
+        [False, False, False, False],  # padding block
+    ]
+    labels = layout.labels(input_ids).view(4, 4)
+    assert labels[0, 1:3].tolist() == [104, 105] and labels[2, 1].tolist() == 108 and labels[2, 3] == 110
+    assert layout.rope_block_NB[2].tolist() == [1, 2, 3, 4]
+    assert layout.position_ids()[0, :11].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]
