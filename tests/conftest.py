@@ -8,6 +8,10 @@ from transformers import LlamaConfig
 
 from dflash_train.drafter import DFlashDrafter, build_drafter_config
 
+# The tests' tensors are tiny: one intra-op thread avoids OpenMP hand-off costs that dominate
+# (and explode when the 2-core CI machine is busy with anything else).
+torch.set_num_threads(1)
+
 
 def tiny_target_config(**overrides) -> LlamaConfig:
     cfg = dict(

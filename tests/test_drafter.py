@@ -289,3 +289,55 @@ def test_parameter_counts_of_published_shapes(smollm2_path):
     n_smol = _count_on_meta(build_drafter_config(smol, num_layers=5, mask_token_id=16))
     layer = 4 * 576 * 576 * 0 + 576 * (9 * 64) * 2 + 576 * (3 * 64) * 2 + 3 * 576 * 1536 + 2 * 64 + 2 * 576
     assert n_smol == 5 * layer + 5 * 576 * 576 + 2 * 576
+
+
+def _train_on_iid_tokens(mask_for, steps=80, V=32, B=4, seed=0):
+    """Train on fresh i.i.d. random tokens whose context feature at p encodes token p: the
+    next tokens are unpredictable unless the mask leaks context at or after the anchor."""
+    from dflash_train.loss import block_loss
+
+    torch.manual_seed(seed)
+    target = tiny_target_config(vocab_size=V, num_hidden_layers=4)
+    drafter = DFlashDrafter(build_drafter_config(target, num_layers=1, block_size=B, mask_token_id=V - 1, num_taps=1)).train()
+    embed = torch.randn(V, H) * 0.5
+    lm_head = torch.randn(V, H) * 0.1
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        gen = step_generator(seed, step)
+        lengths = torch.tensor([40, 25, 31])
+        T = int(lengths.sum())
+        ids = torch.randint(0, V - 1, (T,), generator=gen)
+        loss_mask = torch.ones(T, dtype=torch.bool)
+        anchors = sample_anchors(loss_mask, lengths, 12, gen)
+        layout = build_layout(anchors, loss_mask, lengths, B)
+        feats = embed[ids][None]
+        mask = mask_for(layout)
+        hidden = drafter(feats, embed[layout.block_input_ids(ids, V - 1)][None], layout.position_ids(), attention_mask=mask)[0]
+        out = block_loss(hidden, lm_head, layout.labels(ids), layout.valid_NB.flatten(), B, gamma=2.0)
+        opt.zero_grad()
+        out.loss().backward()
+        opt.step()
+        losses.append(out.loss().item())
+    return sum(losses[-10:]) / 10
+
+
+def test_training_cannot_see_the_future():
+    """End to end through anchors, layout, mask, drafter and loss: with the real mask the loss
+    stays at chance on unpredictable tokens; a mask that leaks one position drives it down."""
+    import math
+
+    from dflash_train.masks import block_mask_mod, dense_mask
+
+    def real(layout):
+        return build_attention_masks(layout, ["full_attention"], None, "sdpa")
+
+    def leaky(layout):  # context visible up to and including the first predicted position
+        shifted = layout.anchors_N + 2
+        mod = block_mask_mod(layout.doc_T, shifted, layout.anchor_doc_N, layout.block_size)
+        Q = layout.num_blocks * layout.block_size
+        return dense_mask(mod, Q, layout.num_ctx + Q, "cpu")
+
+    chance = math.log(31)
+    assert _train_on_iid_tokens(real) > chance - 0.2
+    assert _train_on_iid_tokens(leaky) < chance - 0.5
