@@ -287,7 +287,7 @@ def test_parameter_counts_of_published_shapes(smollm2_path):
 
     smol = AutoConfig.from_pretrained(smollm2_path)
     n_smol = _count_on_meta(build_drafter_config(smol, num_layers=5, mask_token_id=16))
-    layer = 4 * 576 * 576 * 0 + 576 * (9 * 64) * 2 + 576 * (3 * 64) * 2 + 3 * 576 * 1536 + 2 * 64 + 2 * 576
+    layer = 576 * (9 * 64) * 2 + 576 * (3 * 64) * 2 + 3 * 576 * 1536 + 2 * 64 + 2 * 576
     assert n_smol == 5 * layer + 5 * 576 * 576 + 2 * 576
 
 
