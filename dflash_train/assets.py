@@ -87,3 +87,42 @@ def smollm2_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+TINY_TARGET_LAYERS = 4
+
+
+def tiny_random_target_dir() -> Path:
+    """A tiny random-weight Llama target (hidden 64, 4 layers) with SmolLM2's real tokenizer
+    and chat template: the test and smoke-run target. Seeded, so every machine builds the same
+    weights; cached like the SmolLM2 conversion."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = cache_root() / f"tiny-random-llama-tf{transformers.__version__}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=TINY_TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer),
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -29,7 +29,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_train.masks import FULL_ATTENTION, SLIDING_ATTENTION
+# This file imports nothing from dflash_train: the export copies it next to the weights as the
+# modeling code of `AutoModel.from_pretrained(..., trust_remote_code=True)`.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_NAME = "model.safetensors"
@@ -372,23 +375,28 @@ class DFlashLayer(nn.Module):
         return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
 
 
+def build_modules(model: nn.Module, config: Qwen3Config) -> None:
+    """Give `model` the drafter's submodules and fields (shared with the exported HF class)."""
+    model.config = config
+    model.target_layer_ids = [int(i) for i in _dflash_field(config, "target_layer_ids")]
+    model.block_size = int(_dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
+    model.mask_token_id = int(_dflash_field(config, "mask_token_id"))
+    H = config.hidden_size
+    model.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+    model.norm = RMSNorm(H, config.rms_norm_eps)
+    model.fc = nn.Linear(len(model.target_layer_ids) * H, H, bias=False)
+    model.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+    # Not a submodule: `.to(bfloat16)` must never round the rope frequencies, which stay fp32
+    # (cos/sin are cast to the activation dtype per call, as HF and vLLM do).
+    object.__setattr__(model, "rotary_emb", Qwen3RotaryEmbedding(config))
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash draft model. Parameter names are those of the published checkpoints."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.config = config
-        self.target_layer_ids: list[int] = [int(i) for i in _dflash_field(config, "target_layer_ids")]
-        self.block_size = int(_dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
-        self.mask_token_id = int(_dflash_field(config, "mask_token_id"))
-        H = config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
-        # Not a submodule: `.to(bfloat16)` must never round the rope frequencies, which stay
-        # fp32 (cos/sin are cast to the activation dtype per call, as HF and vLLM do).
-        object.__setattr__(self, "rotary_emb", Qwen3RotaryEmbedding(config))
+        build_modules(self, config)
         self.reset_parameters()
 
     @property
@@ -421,9 +429,13 @@ class DFlashDrafter(nn.Module):
         """
         ctx_BTH = self.hidden_norm(self.fc(target_hidden))
         x_BQH = noise_embedding
-        if self.rotary_emb.inv_freq.device != x_BQH.device:
-            self.rotary_emb.to(x_BQH.device)
-        cos, sin = self.rotary_emb(x_BQH, position_ids)
+        rope = self.rotary_emb
+        if rope.inv_freq.device != x_BQH.device:
+            if rope.inv_freq.is_meta:  # built under a meta-device context (lazy loading)
+                rope = Qwen3RotaryEmbedding(self.config)
+                object.__setattr__(self, "rotary_emb", rope)
+            rope.to(x_BQH.device)
+        cos, sin = rope(x_BQH, position_ids)
         cache = past_key_values if (use_cache or past_key_values is not None) else None
         for layer in self.layers:
             x_BQH = layer(x_BQH, ctx_BTH, cos, sin, attention_mask, cache)
@@ -476,7 +488,6 @@ class DFlashDrafter(nn.Module):
         state = {k.removeprefix("model."): v for k, v in state.items()}
         with torch.device("meta"):
             model = cls(config)
-        object.__setattr__(model, "rotary_emb", Qwen3RotaryEmbedding(config))
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(

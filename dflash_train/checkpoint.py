@@ -1,0 +1,203 @@
+"""Checkpoints, resume, signals and export.
+
+Owns the `OUTPUT/checkpoints/step-N/` folders: each is written into a temporary folder and
+renamed into place (atomic), carries a JSON sidecar (`meta.json`) with the SHA-256 of every file,
+and the newest K are kept. Resume takes the newest checkpoint whose files match their hashes and
+says which it took and why it passed over others. Nothing is unpickled: weights are safetensors,
+optimizer state and RNG states load with `torch.load(weights_only=True)`, the rest is JSON.
+
+Also owns the stop flag set by SIGTERM/SIGINT, and the export of a drafter in the published
+format with its own modeling code (transformers `trust_remote_code=True` loads it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+META = "meta.json"
+DRAFTER_CONFIG = "drafter_config.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    drafter_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    rng_state: dict[str, torch.Tensor],
+    trainer_state: dict,
+    texts: dict[str, str],
+    keep: int,
+) -> Path:
+    """Write `step-N/` atomically, then drop all but the newest `keep` checkpoints.
+    `texts` are small text files stored as they are (resolved config, drafter config)."""
+    from safetensors.torch import save_file
+
+    root = checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state.items()}, str(tmp / "drafter.safetensors"))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(rng_state, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise OSError(
+                f"saving checkpoint step-{step} in {root} failed ({err}); the previous checkpoints "
+                f"are untouched"
+            ) from err
+        raise
+    for old in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete-looking `step-N` folders, oldest first (unverified)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+            found.append((int(p.name[5:]), p))
+    return [p for _, p in sorted(found)]
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file matches the sidecar's hash, else what is wrong."""
+    meta_file = path / META
+    if not meta_file.is_file():
+        return "no meta.json (an interrupted save)"
+    try:
+        meta = json.loads(meta_file.read_text())
+        files = meta["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"meta.json unreadable ({err})"
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if _sha256(f) != digest:
+            return f"{name} does not match its checksum (truncated or corrupted)"
+    return None
+
+
+def find_resumable(output_dir: str | Path, log=print) -> Path | None:
+    """The newest checkpoint that verifies; says which it took and which it passed over."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            log(f"resuming from {path}")
+            return path
+        log(f"skipping checkpoint {path}: {problem}")
+    return None
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
+    from safetensors.torch import load_file
+
+    return {
+        "drafter": load_file(str(path / "drafter.safetensors"), device=str(device)),
+        "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=True),
+        "rng": torch.load(path / "rng.pt", map_location="cpu", weights_only=True),
+        "trainer": json.loads((path / "trainer_state.json").read_text()),
+        "drafter_config": json.loads((path / DRAFTER_CONFIG).read_text()),
+    }
+
+
+def drafter_from_checkpoint(path: Path):
+    """The drafter (fp32 training weights) stored in a checkpoint folder."""
+    from safetensors.torch import load_file
+
+    from dflash_train.drafter import DFlashDrafter, config_from_dict
+
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"{path}: not a usable checkpoint: {problem}")
+    model = DFlashDrafter(config_from_dict(json.loads((path / DRAFTER_CONFIG).read_text()), str(path / DRAFTER_CONFIG)))
+    model.load_state_dict(load_file(str(path / "drafter.safetensors")))
+    return model
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT; the training loop finishes its step, saves and exits 0."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous = {}
+
+    def install(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def export_drafter(drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the published drafter format plus our modeling code, so that vLLM / SGLang and
+    `AutoModel.from_pretrained(out_dir, trust_remote_code=True)` both load it."""
+    import copy
+
+    import dflash_train.drafter as drafter_module
+    import dflash_train.modeling_dflash as modeling_module
+
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    exported = copy.deepcopy(drafter).to("cpu", dtype)
+    exported.save_pretrained(tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(drafter_module.__file__, tmp / "drafter.py")
+    shutil.copyfile(modeling_module.__file__, tmp / "modeling_dflash.py")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,427 @@
+"""The typed configuration tree: sections, defaults, strict YAML loading, dotted overrides.
+
+Owns every setting of a run. Each component receives only its own section. Loading is strict:
+unknown keys, wrong types and invalid values are all collected and reported in one error that
+names the file, line and field and says what would be valid. The resolved tree is written
+next to every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
+TINY_TARGET = "bundled:tiny-random-llama"
+BUNDLED_DATA = "bundled:sharegpt"
+
+
+@dataclass
+class TargetSection:
+    path: str = BUNDLED_TARGET
+    """Local Hugging Face folder of the frozen target, `bundled:smollm2-135m-instruct`, or
+    `bundled:tiny-random-llama` (random weights, SmolLM2 tokenizer: tests and smoke runs)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Target weights: auto = bfloat16 on GPU, float32 on CPU."""
+
+
+@dataclass
+class DrafterSection:
+    num_layers: int = 5
+    """Draft decoder layers (paper: 5 for Qwen3-8B)."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus block_size - 1 proposals."""
+    target_layer_ids: list[int] | None = None
+    """0-based target layers to tap; default: spread rule of REFERENCE.md over num_taps."""
+    num_taps: int | None = None
+    """Number of tapped target layers when target_layer_ids is unset (default: num_layers)."""
+    mask_token_id: int | None = None
+    """Block mask token; default: a reserved id chosen from the target's tokenizer."""
+    sliding_window: int | None = None
+    """Window W (tokens) for sliding-window layers; alone, makes every layer sliding-window."""
+    layer_types: list[str] | None = None
+    """Per layer 'full_attention' or 'sliding_attention' (overrides the sliding_window default)."""
+    intermediate_size: int | None = None
+    """MLP width; default: the target's."""
+    init_from: str | None = None
+    """A drafter folder (published format) to start from instead of random weights."""
+
+
+@dataclass
+class DataSection:
+    paths: list[str] = field(default_factory=lambda: [BUNDLED_DATA])
+    """Chat data files or folders (.json/.jsonl/.parquet), or `bundled:sharegpt`."""
+    max_length: int = 3072
+    """Tokens per sample after the chat template; longer samples are handled by `overlong`."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    limit: int | None = None
+    """Use only the first N prepared samples (quick runs)."""
+    token_budget: int = 16384
+    """Padded target tokens per micro-batch (rows x bucket length)."""
+    max_batch_size: int = 64
+    """Rows per micro-batch."""
+    num_buckets: int = 8
+    """Length buckets derived from length quantiles (ignored when bucket_boundaries is set)."""
+    bucket_boundaries: list[int] | None = None
+    """Explicit bucket upper bounds in tokens."""
+    cache_dir: str | None = None
+    """Where prepared data is cached; default: <cache root>/data."""
+
+
+@dataclass
+class ObjectiveSection:
+    num_anchors: int = 512
+    """Anchors (blocks) per document per step, at most."""
+    gamma: float | None = None
+    """Loss decay over block positions; default by block size (16 -> 7, 10 -> 5, 8 -> 4)."""
+    labels: Literal["data", "target"] = "data"
+    """Train towards the data tokens (paper) or the target's own greedy predictions."""
+    noise: Literal["uniform", "gaussian", "none"] = "uniform"
+    noise_std: float = 0.05
+    """Noise on captured target features during training (U[-std, std] or N(0, std^2))."""
+    lm_head_chunk_rows: int = 4096
+    """Rows of block tokens per lm_head chunk in the loss."""
+
+
+@dataclass
+class OptimSection:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    """Fraction of the total steps with linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainSection:
+    epochs: int = 6
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (default: the end of `epochs`)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """Drafter attention: auto = flex on CUDA, sdpa (dense mask) on CPU."""
+    compile: bool = False
+    """torch.compile the drafter layers."""
+    pack_multiple: int = 256
+    """Packed token counts are padded up to a multiple of this (bounded shapes)."""
+    anchor_multiple: int = 64
+    """Anchor counts are padded up to a multiple of this (bounded shapes)."""
+    max_consecutive_skips: int = 10
+    """Stop the run after this many consecutive non-finite steps."""
+    num_threads: int | None = None
+    """CPU intra-op threads (default: torch's choice)."""
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 500
+    """Save every N optimizer steps (and at the end, and on SIGTERM/SIGINT)."""
+    keep: int = 3
+    """Keep the newest K checkpoints."""
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the exported drafter folder."""
+
+
+@dataclass
+class LogSection:
+    every: int = 10
+    """Log (one host sync) every N optimizer steps."""
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "dflash-train"
+    progress: bool = True
+    """A progress bar with ETA on the console."""
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/default"
+    """Checkpoints, metrics, the exported drafter and the resolved config go here."""
+    target: TargetSection = field(default_factory=TargetSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    data: DataSection = field(default_factory=DataSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+
+# `dflash-train train` without --config: a drafter for the bundled SmolLM2-135M-Instruct on the
+# bundled ShareGPT chats, sized to finish in a few minutes on a CPU (configs/default.yaml is the
+# same run written out; a test keeps them equal). A --config file starts from the paper recipe
+# (the dataclass defaults above) instead.
+EMBEDDED_DEFAULT: dict = {
+    "output_dir": "runs/default",
+    "drafter": {"num_layers": 2, "block_size": 16},
+    "data": {"max_length": 512, "token_budget": 8192, "max_batch_size": 16},
+    "objective": {"num_anchors": 64},
+    "optim": {"lr": 1.0e-3},
+    "train": {"max_steps": 150, "anchor_multiple": 16},
+    "checkpoint": {"every": 50, "keep": 2},
+    "log": {"every": 10},
+}
+
+
+class ConfigError(ValueError):
+    """All problems of a configuration, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """Dotted key path -> 1-based line in the YAML text (for error messages)."""
+    lines: dict[str, int] = {}
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = f"{prefix}{key.value}"
+                lines[path] = key.start_mark.line + 1
+                walk(value, path + ".")
+
+    walk(root, "")
+    return lines
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp, path: str, problems: list[str], where) -> Any:
+    """Check `value` against annotation `tp`; return the converted value or None on error."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{where(path)}: expected a mapping of settings, got {value!r}")
+            return None
+        return _build(tp, value, path + ".", problems, where)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list[str] = []
+            out = _convert(value, arg, path, trial, where)
+            if not trial:
+                return out
+        problems.append(f"{where(path)}: expected {_type_name(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            problems.append(f"{where(path)}: must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{where(path)}: expected {_type_name(tp)}, got {value!r}")
+            return None
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{path}[{i}]", problems, where) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{where(path)}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{where(path)}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` (no dot) as a string; accept what Python reads as a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where(path)}: expected a number, got {value!r}")
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{where(path)}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp} at {path}")  # our own invariant
+
+
+def _build(cls, data: dict, prefix: str, problems: list[str], where):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            problems.append(
+                f"{where(prefix + str(key))}: unknown setting '{prefix}{key}' "
+                f"(known in this section: {', '.join(sorted(names))})"
+            )
+            continue
+        before = len(problems)
+        converted = _convert(value, hints[key], prefix + key, problems, where)
+        # A rejected value keeps its default, so range checks still run on a well-typed tree
+        # and every mistake of a file is reported in one go.
+        if len(problems) == before:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError([f"override {dotted}: '{key}' is not a section"])
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides (values parsed as YAML).
+    Without a file, the embedded default run is the starting point."""
+    import copy
+
+    tree: dict = copy.deepcopy(EMBEDDED_DEFAULT) if path is None else {}
+    lines: dict[str, int] = {}
+    source = "defaults"
+    problems: list[str] = []
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError([f"{path}: config file not found"])
+        text = path.read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError([f"{path}: not valid YAML: {err}"]) from err
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+        tree = loaded or {}
+        lines = _line_map(text)
+    overridden = set()
+    for item in overrides or []:
+        if "=" not in item:
+            problems.append(f"override {item!r}: expected section.key=value")
+            continue
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+        overridden.add(key.strip())
+
+    def where(dotted: str) -> str:
+        if dotted in overridden:
+            return f"command line override {dotted}"
+        if dotted.split("[")[0] in lines:
+            return f"{source}:{lines[dotted.split('[')[0]]}: {dotted}"
+        return f"{source}: {dotted}"
+
+    cfg = _build(Config, tree, "", problems, where)
+    problems += [_locate(msg, where) for msg in validate(cfg)]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _locate(message: str, where) -> str:
+    """Prefix a range-check message ('field must ...') with the file and line of its field."""
+    field_name = message.split(" ", 1)[0]
+    located = where(field_name)
+    return message if located.endswith(f"defaults: {field_name}") else f"{located}: {message}"
+
+
+def validate(cfg: Config) -> list[str]:
+    """Value checks that need no model: ranges and consistency between fields."""
+    p = []
+
+    def positive(name, value, allow_none=False):
+        if value is None and allow_none:
+            return
+        if value is None or value <= 0:
+            p.append(f"{name} must be > 0, got {value!r}")
+
+    positive("drafter.num_layers", cfg.drafter.num_layers)
+    if cfg.drafter.block_size < 2:
+        p.append(f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
+    positive("drafter.num_taps", cfg.drafter.num_taps, allow_none=True)
+    positive("drafter.sliding_window", cfg.drafter.sliding_window, allow_none=True)
+    positive("data.max_length", cfg.data.max_length)
+    positive("data.token_budget", cfg.data.token_budget)
+    positive("data.max_batch_size", cfg.data.max_batch_size)
+    positive("data.num_buckets", cfg.data.num_buckets)
+    positive("data.limit", cfg.data.limit, allow_none=True)
+    if cfg.data.token_budget < cfg.data.max_length:
+        p.append(
+            f"data.token_budget ({cfg.data.token_budget}) must hold one sample of data.max_length "
+            f"({cfg.data.max_length}) tokens: raise the budget or lower max_length"
+        )
+    if not cfg.data.paths:
+        p.append(f"data.paths is empty: give chat data files or '{BUNDLED_DATA}'")
+    positive("objective.num_anchors", cfg.objective.num_anchors)
+    positive("objective.gamma", cfg.objective.gamma, allow_none=True)
+    if cfg.objective.noise_std < 0:
+        p.append(f"objective.noise_std must be >= 0, got {cfg.objective.noise_std}")
+    positive("objective.lm_head_chunk_rows", cfg.objective.lm_head_chunk_rows)
+    positive("optim.lr", cfg.optim.lr)
+    if not 0 <= cfg.optim.warmup_ratio < 1:
+        p.append(f"optim.warmup_ratio must be in [0, 1), got {cfg.optim.warmup_ratio}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        p.append(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    for b in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg.optim, b) < 1:
+            p.append(f"optim.{b} must be in [0, 1), got {getattr(cfg.optim, b)}")
+    positive("optim.grad_clip", cfg.optim.grad_clip)
+    positive("train.epochs", cfg.train.epochs)
+    positive("train.max_steps", cfg.train.max_steps, allow_none=True)
+    positive("train.grad_accum", cfg.train.grad_accum)
+    positive("train.pack_multiple", cfg.train.pack_multiple)
+    positive("train.anchor_multiple", cfg.train.anchor_multiple)
+    positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
+    positive("checkpoint.every", cfg.checkpoint.every)
+    positive("checkpoint.keep", cfg.checkpoint.keep)
+    positive("log.every", cfg.log.every)
+    if cfg.objective.gamma is None and cfg.drafter.block_size not in (8, 10, 16):
+        p.append(
+            f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "
+            f"(defaults exist for 8, 10, 16): set objective.gamma"
+        )
+    return p
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,229 @@
+"""Training metrics: device-side accumulation, stage timers, and the sinks they go to.
+
+Owns what a log step shows and where it goes: `OUTPUT/metrics.jsonl` (always, one JSON object
+per log step), TensorBoard, Weights & Biases (when enabled and installed; WANDB_MODE=offline
+works), one console line per log step and a progress bar with ETA. Values accumulate on the
+device between log steps; `Accumulator.flush` is the one host sync of an interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.loss import BlockLossOutput
+
+
+class Accumulator:
+    """Sums over a log interval, kept on the device."""
+
+    FIELDS = ("loss_sum", "weight_sum", "run_sum", "num_blocks", "tokens", "padded_tokens",
+              "samples", "rows", "sum_seq_len", "sum_max_seq_len", "micro_batches", "grad_norm_sum",
+              "steps", "skipped")
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        zeros = lambda n=(): torch.zeros(n, dtype=torch.float64, device=self.device)  # noqa: E731
+        self.sums = {name: zeros() for name in self.FIELDS}
+        self.correct_K = zeros(self.block_size - 1)
+        self.count_K = zeros(self.block_size - 1)
+        self.run_hist = zeros(self.block_size)
+        self.started = time.perf_counter()
+
+    def add_loss(self, out: BlockLossOutput) -> None:
+        s = self.sums
+        s["loss_sum"] += out.loss_sum.detach()
+        s["weight_sum"] += out.weight_sum
+        s["run_sum"] += out.run_sum
+        s["num_blocks"] += out.num_blocks
+        self.correct_K += out.correct_K
+        self.count_K += out.count_K
+        self.run_hist += out.run_hist
+
+    def add_batch(self, tokens: int, padded_tokens: int, rows: int, sum_seq_len: int, max_seq_len: int) -> None:
+        # Host integers: adding them to device tensors queues a tiny copy, no sync.
+        s = self.sums
+        s["tokens"] += tokens
+        s["padded_tokens"] += padded_tokens
+        s["samples"] += rows
+        s["rows"] += rows
+        s["sum_seq_len"] += sum_seq_len
+        s["sum_max_seq_len"] += max_seq_len
+        s["micro_batches"] += 1
+
+    def add_step(self, grad_norm: torch.Tensor, skipped: bool) -> None:
+        self.sums["steps"] += 1
+        if skipped:
+            self.sums["skipped"] += 1
+        else:
+            self.sums["grad_norm_sum"] += grad_norm.detach().double()
+
+    def state_dict(self) -> dict:
+        """Host copy (checkpoint time): a resumed run logs the same interval means."""
+        return {
+            "sums": {k: float(v) for k, v in self.sums.items()},
+            "correct_K": self.correct_K.tolist(),
+            "count_K": self.count_K.tolist(),
+            "run_hist": self.run_hist.tolist(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["sums"].items():
+            self.sums[k] = torch.tensor(v, dtype=torch.float64, device=self.device)
+        for name in ("correct_K", "count_K", "run_hist"):
+            setattr(self, name, torch.tensor(state[name], dtype=torch.float64, device=self.device))
+
+    def flush(self) -> dict:
+        """Interval means as Python numbers (the one host sync of a log interval), then reset."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        packed = torch.cat([torch.stack([self.sums[k] for k in self.FIELDS]), self.correct_K, self.count_K, self.run_hist])
+        values = packed.tolist()  # host sync: log step only
+        s = dict(zip(self.FIELDS, values[: len(self.FIELDS)]))
+        K = self.block_size - 1
+        correct = values[len(self.FIELDS) : len(self.FIELDS) + K]
+        count = values[len(self.FIELDS) + K : len(self.FIELDS) + 2 * K]
+        hist = values[len(self.FIELDS) + 2 * K :]
+        applied = max(s["steps"] - s["skipped"], 1)
+        blocks = max(s["num_blocks"], 1)
+        mb = max(s["micro_batches"], 1)
+        record = {
+            "loss": s["loss_sum"] / s["weight_sum"] if s["weight_sum"] > 0 else float("nan"),
+            "grad_norm": s["grad_norm_sum"] / applied,
+            "acc": sum(correct) / max(sum(count), 1),
+            "acc_per_position": [c / n if n else None for c, n in zip(correct, count)],
+            "accepted_run_mean": s["run_sum"] / blocks,
+            "tau_estimate": 1.0 + s["run_sum"] / blocks,
+            "run_histogram": [int(h) for h in hist],
+            "tokens_per_s": s["tokens"] / elapsed,
+            "samples_per_s": s["samples"] / elapsed,
+            "avg_seq_len": s["sum_seq_len"] / max(s["rows"], 1),
+            "avg_max_seq_len": s["sum_max_seq_len"] / mb,
+            "avg_batch_size": s["rows"] / mb,
+            "padding_efficiency": s["tokens"] / max(s["padded_tokens"], 1),
+            "skipped_steps": int(s["skipped"]),
+            "interval_s": elapsed,
+        }
+        self.reset()
+        return record
+
+
+class StageTimer:
+    """Wall time per stage. On CUDA, events are recorded without syncing and read at log
+    time; on CPU, perf_counter deltas."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+        self.totals: dict[str, float] = {}
+        self._last = None
+        self._name = None
+
+    def mark(self, name: str | None) -> None:
+        """End the running stage (if any) and start `name` (None: just end)."""
+        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+        if self.cuda:
+            now.record()
+        if self._name is not None:
+            self.pending.append((self._name, self._last, now))
+        self._name, self._last = name, now
+
+    def flush(self) -> dict[str, float]:
+        if self.cuda and self.pending:
+            self.pending[-1][2].synchronize()  # log step only
+        for name, start, end in self.pending:
+            dt = start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+            self.totals[name] = self.totals.get(name, 0.0) + dt
+        self.pending.clear()
+        out, self.totals = {k: round(v, 4) for k, v in self.totals.items()}, {}
+        return out
+
+
+class MetricsSink:
+    """JSONL + TensorBoard + W&B + console line + progress bar, for the logging rank."""
+
+    def __init__(self, output_dir: Path, log_cfg, config_dict: dict, total_steps: int, start_step: int) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._truncate_after(start_step)
+        self.file = open(self.path, "a")
+        self.tb = None
+        if log_cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
+        self.wandb = None
+        if log_cfg.wandb:
+            try:
+                import wandb
+            except ImportError as err:
+                raise RuntimeError("log.wandb=true but the `wandb` package is not installed: pip install wandb") from err
+            self.wandb = wandb.init(project=log_cfg.wandb_project, dir=str(output_dir), config=config_dict,
+                                    resume="allow", name=Path(output_dir).name)
+        self.bar = None
+        if log_cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines logged after the checkpoint we resume from: they will be logged again."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+        self.path.write_text("".join(k + "\n" for k in kept))
+
+    def progress(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{k}", v, step)
+            for k, v in record.get("stage_s", {}).items():
+                self.tb.add_scalar(f"stage_s/{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        line = (
+            f"step {step:>6} | ep {record['epoch']} | loss {record['loss']:.4f} | acc {record['acc']:.3f} "
+            f"| tau~ {record['tau_estimate']:.2f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.2f} "
+            f"| {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
+        )
+        if record.get("skipped_steps"):
+            line += f" | skipped {record['skipped_steps']}"
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def event(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,210 @@
+"""The frozen target: loading, capture of the tapped layers, packing, warm-up.
+
+Owns everything the drafter needs from the target model: its embedding and lm_head weights
+(frozen, shared, never saved with the drafter), the outputs of the tapped decoder layers for a
+padded batch (computed only up to the last tapped layer unless the target's own greedy labels
+are wanted), and `pack`, which turns a padded batch plus features into the packed row the
+drafter trains on (padding dropped, noise added).
+
+Batches are right-padded, so with causal attention no real token ever attends to padding and
+the target runs without an attention mask.
+
+Shape legend: b rows, L padded length, T packed tokens, F = n*H concatenated tap width,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_train.config import BUNDLED_TARGET, TINY_TARGET
+from dflash_train.drafter import add_feature_noise
+
+
+def resolve_target_path(path: str) -> Path:
+    """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use)."""
+    if path == BUNDLED_TARGET:
+        from dflash_train.assets import smollm2_dir
+
+        return smollm2_dir()
+    if path == TINY_TARGET:
+        from dflash_train.assets import tiny_random_target_dir
+
+        return tiny_random_target_dir()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.path={path!r} is not a Hugging Face model folder (no config.json); give the "
+            f"local folder of your target or '{BUNDLED_TARGET}'"
+        )
+    return p
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder module of a causal LM and its stack of layers."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__}: cannot find its decoder layer stack (expected "
+            f"model.get_decoder().layers); this architecture is not supported yet"
+        )
+    return decoder, layers
+
+
+@dataclass
+class Packed:
+    """One packed row for the drafter (device tensors, except `num_tokens`)."""
+
+    features_TF: torch.Tensor  # tapped target features, padding dropped, noise added
+    input_ids_T: torch.Tensor
+    loss_mask_T: torch.Tensor  # bool
+    labels_T: torch.Tensor  # what the drafter must produce at each position
+    doc_lengths: torch.Tensor  # one document per batch row
+    num_tokens: int  # real tokens (before padding up to a multiple)
+
+
+class Target:
+    """A frozen causal LM that returns the outputs of its tapped layers."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.need_logits = need_logits
+        self.decoder, layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"tapped layers {bad} do not exist: the target has {self.num_layers} layers")
+        if not need_logits:
+            # Nothing after the last tapped layer is ever needed: drop it (time and memory).
+            self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
+        self._taps: dict[int, torch.Tensor] = {}
+        for i in sorted(set(self.layer_ids)):
+            self.decoder.layers[i].register_forward_hook(self._hook(i))
+        self.embed_weight = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        self.lm_head_weight = head.weight if head is not None else self.embed_weight
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self._taps[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_weight.shape[1]
+
+    @torch.no_grad()
+    def capture(self, input_ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """features [b, L, n*H] of the tapped layers (in tap order), and, when the target was
+        built with need_logits, its greedy next-token prediction at every position [b, L]."""
+        self._taps.clear()
+        out = self.decoder(input_ids=input_ids_bL, use_cache=False)
+        features = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        greedy = None
+        if self.need_logits:
+            last = out.last_hidden_state
+            greedy = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
+            rows = 1024  # lm_head in chunks of positions: never [b, L, V] logits at once
+            flat, flat_out = last.reshape(-1, last.shape[-1]), greedy.view(-1)
+            for s in range(0, flat.shape[0], rows):
+                flat_out[s : s + rows] = (flat[s : s + rows] @ self.lm_head_weight.t()).argmax(-1)
+        return features, greedy
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+
+def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int], need_logits: bool) -> tuple[Target, object]:
+    """Load, freeze and wrap the target; returns (Target, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_target_path(path)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return Target(model, layer_ids, need_logits), tokenizer
+
+
+def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:
+    """Flat indices of the real tokens of a right-padded [b, padded_len] batch (host-side)."""
+    return torch.cat([torch.arange(r * padded_len, r * padded_len + n) for r, n in enumerate(lengths)])
+
+
+def pack(
+    input_ids_bL: torch.Tensor,
+    loss_mask_bL: torch.Tensor,
+    lengths: list[int],
+    features_bLF: torch.Tensor,
+    greedy_bL: torch.Tensor | None,
+    pad_multiple: int,
+    noise: str,
+    noise_std: float,
+    generator: torch.Generator | None,
+) -> Packed:
+    """Drop padding, concatenate rows into one packed row (padded with zeros up to a multiple
+    of `pad_multiple` for bounded shapes), add training noise to the features."""
+    device = features_bLF.device
+    b, L, F = features_bLF.shape
+    index = pack_index(lengths, L).to(device, non_blocking=True)
+    T = index.numel()
+    T_pad = -(-T // pad_multiple) * pad_multiple
+    feats = torch.zeros(T_pad, F, dtype=features_bLF.dtype, device=device)
+    feats[:T] = features_bLF.reshape(b * L, F).index_select(0, index)
+    feats = add_feature_noise(feats, noise, noise_std, generator)
+    ids = torch.zeros(T_pad, dtype=torch.long, device=device)
+    ids[:T] = input_ids_bL.to(device, non_blocking=True).reshape(-1).index_select(0, index)
+    mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
+    mask[:T] = loss_mask_bL.to(device, non_blocking=True).reshape(-1).to(torch.bool).index_select(0, index)
+    if greedy_bL is None:
+        labels = ids
+    else:
+        # The target's prediction for position p is its argmax at p - 1 (same row).
+        shifted = torch.cat([input_ids_bL[:, :1].to(device), greedy_bL[:, :-1]], dim=1)
+        labels = torch.zeros_like(ids)
+        labels[:T] = shifted.reshape(-1).index_select(0, index)
+    doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    return Packed(feats, ids, mask, labels, doc_lengths, T)
+
+
+class SidePacker:
+    """Runs `pack` on a side CUDA stream (plain call on CPU).
+
+    Stream safety: the side stream waits for the producer of the features; the consumer stream
+    waits for the side stream; inputs are recorded on the side stream and outputs on the
+    consumer stream, so the caching allocator never hands their memory to other work while a
+    stream that uses them is still running.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __call__(self, input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw) -> Packed:
+        if self.stream is None:
+            return pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
+        main = torch.cuda.current_stream(features_bLF.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            for t in (features_bLF, greedy_bL):
+                if t is not None:
+                    t.record_stream(self.stream)
+            packed = pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
+        main.wait_stream(self.stream)
+        for t in (packed.features_TF, packed.input_ids_T, packed.loss_mask_T, packed.labels_T, packed.doc_lengths):
+            t.record_stream(main)
+        return packed

@@ -1,0 +1,71 @@
+"""Strict config loading: all problems at once with file and line, overrides, shipped YAMLs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_train.config import EMBEDDED_DEFAULT, Config, ConfigError, dump_yaml, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_three_mistakes_are_reported_together(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "drafter:\n"
+        "  num_layers: two\n"        # wrong type (line 2)
+        "  blok_size: 16\n"          # unknown key (line 3)
+        "optim:\n"
+        "  lr: -1.0\n"               # invalid value (line 5)
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    problems = err.value.problems
+    assert len(problems) == 3
+    assert f"{bad}:2: drafter.num_layers" in problems[0] and "integer" in problems[0]
+    assert f"{bad}:3: drafter.blok_size" in problems[1] and "block_size" in problems[1]
+    assert f"{bad}:5: optim.lr" in problems[2] and "> 0" in problems[2]
+
+
+def test_overrides_are_typed_and_checked():
+    cfg = load_config(None, ["optim.lr=3e-4", "drafter.target_layer_ids=[1, 2]", "train.compile=true"])
+    assert cfg.optim.lr == 3e-4 and cfg.drafter.target_layer_ids == [1, 2] and cfg.train.compile is True
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.seed=abc", "log.nope=1", "data.token_budget=10", "oops"])
+    text = str(err.value)
+    assert "command line override train.seed" in text and "unknown setting 'log.nope'" in text
+    assert "token_budget" in text and "section.key=value" in text
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="objective.gamma has no default"):
+        load_config(None, ["drafter.block_size=12"])
+    assert load_config(None, ["drafter.block_size=12", "objective.gamma=6"]).objective.gamma == 6.0
+
+
+def test_every_shipped_yaml_loads():
+    files = sorted(CONFIGS.glob("*.yaml"))
+    assert {f.name for f in files} >= {"default.yaml", "tiny.yaml", "qwen3-8b.yaml"}
+    for f in files:
+        assert isinstance(load_config(f), Config)
+
+
+def test_shipped_default_is_the_embedded_default():
+    assert load_config(CONFIGS / "default.yaml") == load_config(None)
+    assert EMBEDDED_DEFAULT["train"]["max_steps"] == load_config(None).train.max_steps
+
+
+def test_paper_recipe_defaults_under_a_file(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("target:\n  path: /models/x\n")
+    cfg = load_config(f)
+    assert (cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.grad_clip, cfg.train.epochs) == (6e-4, 0.04, 1.0, 6)
+    assert (cfg.objective.num_anchors, cfg.data.max_length, cfg.drafter.block_size) == (512, 3072, 16)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "qwen3-8b.yaml", ["optim.lr=1e-4"])
+    dump_yaml(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
