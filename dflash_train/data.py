@@ -571,7 +571,7 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        dataset.save_to_disk(str(tmp))
+        dataset.save_to_disk(str(tmp), num_shards=1)  # one shard even when empty, so it loads back
         report["prepare_seconds"] = round(time.perf_counter() - started, 2)
         (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         if out.exists():
