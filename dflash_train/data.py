@@ -138,6 +138,8 @@ def _iter_objects(path: Path) -> Iterator[tuple[Any, int]]:
     except OSError as err:
         yield Skip(name, 0, f"unreadable file: {err}"), 0
         return
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, as some editors write
+        data = data[3:]
     head = data.lstrip()[:1]
     if path.suffix == ".json" and head == b"[":
         yield from _iter_json_array(name, data)
@@ -411,7 +413,10 @@ def _file_stamp(path: Path) -> list:
 
 def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str) -> str:
     """What the prepared data depends on: input files (path, size, mtime), the target's
-    tokenizer files, the settings, and this module's source."""
+    tokenizer files, the settings, this module's source and the tokenizer libraries."""
+    import tokenizers
+    import transformers
+
     tokenizer_files = sorted(p for p in Path(target).iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
     if not tokenizer_files:
         raise DataError(f"{target}: no tokenizer files (tokenizer.json, tokenizer_config.json) found")
@@ -424,6 +429,7 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str)
         "max_length": max_length,
         "overlong": overlong,
         "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "libraries": [transformers.__version__, tokenizers.__version__],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 

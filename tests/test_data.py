@@ -204,7 +204,7 @@ def test_jsonl_parquet_folder(tmp_path):
     folder = tmp_path / "mixed"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.jsonl").write_text(json.dumps(SHAREGPT) + "\n\n" + json.dumps(OPENAI) + "\n")
-    (folder / "b.json").write_text(json.dumps(OPENAI) + "\n")  # JSON Lines in a .json file
+    (folder / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(OPENAI).encode() + b"\r\n")  # BOM, CRLF, JSON Lines
     pq.write_table(pa.Table.from_pylist([SHAREGPT, SHAREGPT]), folder / "sub" / "c.parquet")
     (folder / "sub" / "d.parquet").write_bytes(b"not a parquet file")
     (folder / "notes.txt").write_text("ignored")
