@@ -414,8 +414,7 @@ def _file_stamp(path: Path) -> list:
 def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str) -> str:
     """What the prepared data depends on: input files (path, size, mtime), the target's
     tokenizer files, the settings, this module's source and the tokenizer libraries."""
-    import tokenizers
-    import transformers
+    from importlib.metadata import version
 
     tokenizer_files = sorted(p for p in Path(target).iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
     if not tokenizer_files:
@@ -429,7 +428,7 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str)
         "max_length": max_length,
         "overlong": overlong,
         "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-        "libraries": [transformers.__version__, tokenizers.__version__],
+        "libraries": [version("transformers"), version("tokenizers")],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -512,7 +511,6 @@ def prepare(
     the first max_length tokens) or "drop". `strict` raises DataError listing every bad record
     instead of skipping them."""
     import datasets
-    from transformers import AutoTokenizer
 
     if overlong not in OVERLONG_CHOICES:
         raise DataError(f"overlong={overlong!r}; use one of {', '.join(OVERLONG_CHOICES)}")
@@ -533,6 +531,8 @@ def prepare(
             return Prepared(datasets.load_from_disk(str(out)), report, out, cached=True)
     elif out.exists() and any(out.iterdir()):
         raise DataError(f"--out {out} exists and is not a prepared dataset; choose an empty or new folder")
+
+    from transformers import AutoTokenizer  # imported only when there is work to do (slow import)
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(target)
