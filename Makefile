@@ -5,8 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-
-.PHONY: setup test
+.PHONY: setup test train
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -19,3 +18,6 @@ setup: $(BIN)/.installed
 
 test: setup
 	$(BIN)/python -m pytest
+
+train: setup
+	$(BIN)/dflash-train train

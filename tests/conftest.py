@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random configs and packed layouts, and the real SmolLM2 folder."""
+"""Shared fixtures: tiny random configs and packed layouts, the real SmolLM2 folder and tokenizer,
+and variants of that tokenizer with other chat templates."""
 
 from __future__ import annotations
 
@@ -63,3 +64,78 @@ def smollm2_path():
     from dflash_train.assets import smollm2_dir
 
     return smollm2_dir()
+
+# Mimics the Llama-3 chat layout: header tokens around the role, <|eot_id|> ends every turn, a
+# default system block is added when the conversation has none, contents are trimmed.
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] | trim %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = 'Cutting Knowledge Date: December 2023' %}{%- set rest = messages %}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system + '<|eot_id|>' }}"
+    "{%- for message in rest %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+# Mimics Qwen3: ChatML turns; an assistant turn after the last user turn keeps (or, when it is
+# the final message, gets an empty) <think> block, while earlier assistant turns are rewritten
+# to their text after </think>. So earlier turns render differently once later turns exist.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] != 'assistant' %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- set content = message['content'] %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def load_tokenizer(path, template: str | None = None):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if template == "llama3":
+        tokenizer.add_special_tokens({"additional_special_tokens": LLAMA3_SPECIALS})
+        tokenizer.chat_template = LLAMA3_TEMPLATE
+    elif template == "qwen3":
+        tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session", params=["smollm2", "llama3", "qwen3"])
+def any_tokenizer(request, smollm2_path):
+    return request.param, load_tokenizer(smollm2_path, request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def template_dirs(smollm2_path, tmp_path_factory):
+    """Tokenizer folders (what --target reads) for each template."""
+    dirs = {"smollm2": smollm2_path}
+    for name in ("llama3", "qwen3"):
+        folder = tmp_path_factory.mktemp(f"tok-{name}")
+        load_tokenizer(smollm2_path, name).save_pretrained(folder)
+        dirs[name] = folder
+    return dirs

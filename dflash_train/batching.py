@@ -1,0 +1,217 @@
+"""Length-bucketed batches of prepared samples for the target.
+
+Owns how an epoch of samples (data.py's `length` column) becomes padded batches: bucket
+boundaries (given, or from length quantiles), a token budget and a row cap per batch, the
+deterministic shuffle from (seed, epoch), the assignment of batch i to producer
+i % num_producers, and `BatchCursor`, whose state_dict() resumes mid-epoch exactly.
+
+Every batch is padded to its bucket's boundary, so the target sees at most one shape per
+bucket (`BatchPlan.shapes`) and can warm each up before training (REFERENCE.md 5).
+
+Shape suffixes: B rows of a batch, L padded length (the bucket boundary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+DEFAULT_TOKEN_BUDGET = 16384  # padded tokens per batch
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_NUM_BUCKETS = 8
+DEFAULT_PAD_MULTIPLE = 64  # derived boundaries are rounded up to this (kernel-friendly shapes)
+
+
+def quantile_boundaries(lengths: Sequence[int], num_buckets: int = DEFAULT_NUM_BUCKETS,
+                        multiple: int = DEFAULT_PAD_MULTIPLE) -> list[int]:
+    """Bucket upper bounds at the length quantiles 1/n .. n/n, rounded up to `multiple` and
+    deduplicated; the last one covers the longest sample."""
+    if len(lengths) == 0:
+        raise ValueError("no samples: cannot derive bucket boundaries from an empty dataset")
+    if num_buckets < 1 or multiple < 1:
+        raise ValueError(f"num_buckets={num_buckets}, multiple={multiple}: both must be >= 1")
+    quantiles = np.quantile(np.asarray(lengths), np.arange(1, num_buckets + 1) / num_buckets)
+    rounded = {int(-(-int(np.ceil(q)) // multiple) * multiple) for q in quantiles}
+    return sorted(rounded)
+
+
+@dataclass
+class Batch:
+    """One padded batch. `indices` are dataset rows; the stats describe its padding."""
+
+    input_ids: Any  # LongTensor [B, L], padded with the pad id
+    loss_mask: Any  # BoolTensor [B, L], False on padding
+    lengths: Any  # LongTensor [B], real tokens per row
+    indices: list[int]
+    index: int  # position of the batch in its epoch
+    epoch: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.lengths.max())
+
+    @property
+    def avg_seq_len(self) -> float:
+        return float(self.lengths.sum()) / len(self.lengths)
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real tokens / padded tokens."""
+        return float(self.lengths.sum()) / self.input_ids.numel()
+
+    def stats(self) -> dict[str, float]:
+        return {"avg_seq_len": self.avg_seq_len, "max_seq_len": self.max_seq_len,
+                "batch_size": self.batch_size, "padding_efficiency": self.padding_efficiency}
+
+
+class BatchPlan:
+    """Which samples form which batch, per epoch. Each bucket holds the samples whose length
+    is at most its boundary (and above the previous one); a batch of bucket L has at most
+    min(max_batch_size, token_budget // L) rows, so rows * L <= token_budget. The last batch of
+    a bucket may have fewer rows. Batch order is a pure function of (seed, epoch)."""
+
+    def __init__(self, lengths: Sequence[int], token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, boundaries: Sequence[int] | None = None,
+                 num_buckets: int = DEFAULT_NUM_BUCKETS, pad_multiple: int = DEFAULT_PAD_MULTIPLE,
+                 seed: int = 0):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.size == 0:
+            raise ValueError("no samples: the prepared dataset is empty (see its report.json)")
+        if boundaries is None:
+            boundaries = quantile_boundaries(self.lengths, num_buckets, pad_multiple)
+        boundaries = [int(b) for b in boundaries]
+        problems = []
+        if any(b < 1 for b in boundaries) or boundaries != sorted(set(boundaries)):
+            problems.append(f"boundaries {boundaries} must be positive and strictly increasing")
+        elif self.lengths.max() > boundaries[-1]:
+            problems.append(f"a sample has {self.lengths.max()} tokens, more than the last boundary "
+                            f"{boundaries[-1]}: add a boundary >= {self.lengths.max()}")
+        if self.lengths.min() < 1:
+            problems.append("a sample has length 0")
+        if max_batch_size < 1:
+            problems.append(f"max_batch_size={max_batch_size} must be >= 1")
+        if boundaries and token_budget < max(boundaries):
+            problems.append(f"token_budget={token_budget} is below the longest bucket {max(boundaries)}: "
+                            f"one row would not fit; raise token_budget to >= {max(boundaries)}")
+        if problems:
+            raise ValueError("invalid batch plan: " + "; ".join(problems))
+        self.boundaries = boundaries
+        self.token_budget = token_budget
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.bucket_of = np.searchsorted(np.asarray(boundaries), self.lengths, side="left")
+        self.rows = [min(max_batch_size, token_budget // b) for b in boundaries]
+        counts = np.bincount(self.bucket_of, minlength=len(boundaries))
+        self.num_batches = int(sum(-(-int(c) // r) for c, r in zip(counts, self.rows)))
+        self._cached: tuple[int, list[np.ndarray]] | None = None
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """(rows, L) of the largest batch of every non-empty bucket: the shapes to warm up."""
+        used = set(self.bucket_of.tolist())
+        return [(self.rows[k], b) for k, b in enumerate(self.boundaries) if k in used]
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        """The batches of `epoch` in order, each an array of sample indices of one bucket."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        batches = []
+        for bucket, rows in enumerate(self.rows):
+            members = rng.permutation(np.flatnonzero(self.bucket_of == bucket))
+            batches.extend(members[start : start + rows] for start in range(0, len(members), rows))
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._cached = (epoch, batches)
+        return batches
+
+    def length_of(self, indices: np.ndarray) -> int:
+        """The padded length L of a batch: its bucket's boundary."""
+        return self.boundaries[int(self.bucket_of[indices[0]])]
+
+    def padding_efficiency(self) -> float:
+        """Real tokens / padded tokens over a whole epoch (the same for every epoch)."""
+        padded = sum(len(b) * self.length_of(b) for b in self.epoch(0))
+        return float(self.lengths.sum()) / padded
+
+    def shard(self, epoch: int, producer: int, num_producers: int) -> list[int]:
+        """Indices (in the epoch) of the batches that `producer` makes: i % num_producers."""
+        return list(range(producer, self.num_batches, num_producers))
+
+
+def collate(dataset, indices: np.ndarray, length: int, pad_id: int):
+    """input_ids [B, L] (pad_id after each row), loss_mask [B, L] bool, lengths [B]."""
+    import torch
+
+    rows = dataset[[int(i) for i in indices]]
+    input_ids_BL = torch.full((len(indices), length), pad_id, dtype=torch.long)
+    loss_mask_BL = torch.zeros((len(indices), length), dtype=torch.bool)
+    for row, (ids, mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"])):
+        input_ids_BL[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        loss_mask_BL[row, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
+    lengths_B = torch.as_tensor(rows["length"], dtype=torch.long)
+    return input_ids_BL, loss_mask_BL, lengths_B
+
+
+class BatchCursor:
+    """This producer's batches, epoch after epoch, without end. `position` counts the batch
+    indices of the current epoch already passed; state_dict()/load_state_dict() carry it, so
+    a resumed cursor yields exactly the batches an uninterrupted one would."""
+
+    def __init__(self, dataset, plan: BatchPlan, producer: int = 0, num_producers: int = 1,
+                 pad_id: int = 0):
+        if not 0 <= producer < num_producers:
+            raise ValueError(f"producer={producer} must be in [0, num_producers={num_producers})")
+        if len(dataset) != len(plan.lengths):
+            raise ValueError(f"the plan covers {len(plan.lengths)} samples but the dataset has {len(dataset)}; "
+                             "build the plan from this dataset's `length` column")
+        if plan.num_batches <= producer:
+            raise ValueError(f"producer {producer} would get no batch: an epoch has only {plan.num_batches} "
+                             f"batch(es) for {num_producers} producers; use fewer producers or a smaller "
+                             "token_budget / max_batch_size")
+        self.dataset, self.plan = dataset, plan
+        self.producer, self.num_producers, self.pad_id = producer, num_producers, pad_id
+        self.epoch, self.position = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.plan.shard(0, self.producer, self.num_producers))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        index = self._next_index()
+        while index >= self.plan.num_batches:
+            self.epoch, self.position = self.epoch + 1, 0
+            index = self._next_index()
+        indices = self.plan.epoch(self.epoch)[index]
+        input_ids, loss_mask, lengths = collate(self.dataset, indices, self.plan.length_of(indices), self.pad_id)
+        self.position = index + 1
+        return Batch(input_ids, loss_mask, lengths, [int(i) for i in indices], index, self.epoch)
+
+    def _next_index(self) -> int:
+        # The first batch index at or after `position` that belongs to this producer.
+        return self.position + (self.producer - self.position) % self.num_producers
+
+    def _identity(self) -> dict[str, Any]:
+        plan = self.plan
+        return {"seed": plan.seed, "num_producers": self.num_producers, "producer": self.producer,
+                "num_samples": int(plan.lengths.size), "boundaries": list(plan.boundaries),
+                "token_budget": plan.token_budget, "max_batch_size": plan.max_batch_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = self._identity()
+        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v]
+        if differ:
+            raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
+                             "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

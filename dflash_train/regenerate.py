@@ -1,0 +1,232 @@
+"""Regeneration: every assistant turn of a chat file replaced by the target's own response.
+
+Owns `dflash-train data regenerate`: reading records with data.py's reader (bad records are
+skipped and reported), rendering each assistant turn's context with the target's chat template,
+batched generation with left padding (greedy by default), and a resumable JSONL output in the
+input's format. Turn k of a conversation is generated from the user turns and the already
+regenerated turns before it, the context the target would really have had. The paper calls
+this data the largest lever on acceptance (REFERENCE.md 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, render
+
+DEFAULT_MAX_NEW_TOKENS = 2048
+CHUNK_BATCHES = 4  # records per written chunk = CHUNK_BATCHES * batch_size
+# The canonical role names written back, per input format.
+OUTPUT_ROLES = {
+    "sharegpt": {"system": "system", "user": "human", "assistant": "gpt"},
+    "openai": {"system": "system", "user": "user", "assistant": "assistant"},
+}
+
+
+def to_output(record: Record, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """The record in its own format with `messages` as its turns; other fields are kept."""
+    list_key, role_key, content_key = FORMATS[record.format]
+    roles = OUTPUT_ROLES[record.format]
+    out = {k: v for k, v in record.raw.items()}
+    out[list_key] = [{role_key: roles[m["role"]], content_key: m["content"]} for m in messages]
+    return out
+
+
+def _first_user(messages: list[dict[str, str]]) -> str | None:
+    return next((m["content"] for m in messages if m["role"] == "user"), None)
+
+
+def _output_first_user(line: bytes, record: Record) -> str | None:
+    """The first user turn of a written output line, read as `record`'s format."""
+    list_key, role_key, content_key = FORMATS[record.format]
+    try:
+        turns = json.loads(line)[list_key]
+        return next(t[content_key] for t in turns if t[role_key] == OUTPUT_ROLES[record.format]["user"])
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return None
+
+
+def resume_point(out: Path, records: list[Record]) -> int:
+    """How many records `out` already holds. A partial last line (a run killed mid-write) is
+    cut off. Each finished line must belong to the record at its position (same first user
+    turn), else the output comes from other input and DataError says so."""
+    if not out.exists():
+        return 0
+    raw = out.read_bytes()
+    keep = raw.rfind(b"\n") + 1
+    if keep != len(raw):
+        with open(out, "r+b") as handle:
+            handle.truncate(keep)
+    lines = raw[:keep].splitlines()
+    if len(lines) > len(records):
+        raise DataError(f"--out {out} holds {len(lines)} records but the input has {len(records)}; "
+                        "it comes from other input: choose another --out")
+    for number, (line, record) in enumerate(zip(lines, records), start=1):
+        if _output_first_user(line, record) != _first_user(record.messages):
+            raise DataError(f"{out}:{number} does not match input record {record.file}:{record.line}; "
+                            "the output comes from other input: choose another --out or delete it")
+    return len(lines)
+
+
+class Generator:
+    """The target and its tokenizer, answering batches of conversations."""
+
+    def __init__(self, target, device: str = "auto", model=None, tokenizer=None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(target)
+        self.tokenizer.padding_side = "left"  # generation continues every row at the same column
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if model is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+        self.model = model.to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_id = eos if eos is not None else self.tokenizer.eos_token_id
+
+    def prompt_length(self, messages: list[dict[str, str]]) -> int:
+        text = render(self.tokenizer, messages, generation_prompt=True)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def answer(self, prompts: list[list[dict[str, str]]], max_new_tokens: int, temperature: float,
+               top_p: float, batch_size: int) -> tuple[list[str], int]:
+        """Responses to each prompt (a message list ending with a user turn), generated in
+        batches of similar length; also how many hit max_new_tokens without ending."""
+        import torch
+
+        texts = [render(self.tokenizer, p, generation_prompt=True) for p in prompts]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+        answers: list[str] = [""] * len(texts)
+        unfinished = 0
+        eos_ids = set(self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id])
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            batch = self.tokenizer([texts[i] for i in rows], add_special_tokens=False, padding=True,
+                                   return_tensors="pt").to(self.device)
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 \
+                else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            with torch.inference_mode():
+                out_BT = self.model.generate(
+                    **batch, max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.eos_token_id, **sampling,
+                )
+            new_BN = out_BT[:, batch["input_ids"].shape[1]:].tolist()
+            for row, ids in zip(rows, new_BN):
+                ends = [k for k, t in enumerate(ids) if t in eos_ids]
+                if not ends:
+                    unfinished += 1
+                ids = ids[: ends[0]] if ends else ids
+                answers[row] = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return answers, unfinished
+
+
+def regenerate_chunk(generator: Generator, records: list[Record], settings: dict[str, Any],
+                     stats: dict[str, int]) -> list[dict[str, Any]]:
+    """Regenerate a chunk of records turn by turn: round r answers the r-th assistant turn of
+    every conversation of the chunk in one batched pass."""
+    outputs: list[list[dict[str, str]]] = [[] for _ in records]
+    cursors = [0] * len(records)
+    active = list(range(len(records)))
+    while active:
+        prompts, owners = [], []
+        for k in active:
+            messages = records[k].messages
+            while cursors[k] < len(messages) and messages[cursors[k]]["role"] != "assistant":
+                outputs[k].append(messages[cursors[k]])
+                cursors[k] += 1
+            if cursors[k] == len(messages):
+                continue
+            if generator.prompt_length(outputs[k]) > settings["max_prompt_length"]:
+                stats["num_cut"] += 1  # the rest of this conversation is dropped
+                continue
+            prompts.append(outputs[k])
+            owners.append(k)
+        answers, unfinished = generator.answer(
+            prompts, settings["max_new_tokens"], settings["temperature"], settings["top_p"],
+            settings["batch_size"],
+        ) if prompts else ([], 0)
+        stats["num_unfinished"] += unfinished
+        stats["num_turns"] += len(answers)
+        for k, answer in zip(owners, answers):
+            outputs[k].append({"role": "assistant", "content": answer})
+            cursors[k] += 1
+        active = owners
+    return [to_output(record, messages) for record, messages in zip(records, outputs)]
+
+
+def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               top_p: float = 1.0, batch_size: int = 32, max_prompt_length: int = 3072,
+               device: str = "auto", seed: int = 0, limit: int | None = None, log=print,
+               model=None, tokenizer=None) -> dict[str, Any]:
+    """Write `out` (JSONL, one line per valid input record, in the record's own format) with
+    every assistant turn replaced by the target's response. Resumes an existing `out`; with
+    `limit`, stops after that many more records. Returns a summary with the skipped records."""
+    import torch
+
+    problems = [f"{name}={value}" for name, value in
+                (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)) if value < 1]
+    if temperature < 0 or not 0 < top_p <= 1:
+        problems.append(f"temperature={temperature}, top_p={top_p} (need temperature >= 0, 0 < top_p <= 1)")
+    if problems:
+        raise DataError("invalid regenerate settings: " + "; ".join(problems))
+    out = Path(out)
+    records: list[Record] = []
+    skipped: list[Skip] = []
+    for item in iter_records(paths):
+        (skipped if isinstance(item, Skip) else records).append(item)
+    done = resume_point(out, records)
+    summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
+               "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
+               "num_written": 0, "num_turns": 0, "num_unfinished": 0, "num_cut": 0}
+    if done:
+        log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
+    stop = len(records) if limit is None else min(len(records), done + limit)
+    if done >= stop:
+        return summary
+    generator = Generator(target, device=device, model=model, tokenizer=tokenizer)
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "batch_size": batch_size, "max_prompt_length": max_prompt_length}
+    chunk = CHUNK_BATCHES * batch_size
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    position = done
+    while position < stop:
+        # Chunks sit on fixed boundaries, so a resumed run batches records as a fresh run does.
+        end = min(stop, (position // chunk + 1) * chunk)
+        torch.manual_seed(seed * 1_000_003 + position)
+        lines = regenerate_chunk(generator, records[position:end], settings, summary)
+        with open(out, "a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+            handle.flush()
+            os.fsync(handle.fileno())
+        summary["num_written"] += end - position
+        position = end
+        log(f"data regenerate: {position}/{len(records)} records, {summary['num_turns']} turns, "
+            f"{time.perf_counter() - started:.0f} s")
+    return summary
+
+
+def run_regenerate(args) -> int:
+    """`dflash-train data regenerate`."""
+    try:
+        summary = regenerate(args.data, args.target, args.out, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+                             max_prompt_length=args.max_prompt_length, device=args.device,
+                             seed=args.seed, limit=args.limit)
+    except DataError as err:
+        print(f"error: {err}")
+        return 1
+    for skip in summary["skipped"]:
+        print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}))
+    return 0

@@ -1,0 +1,134 @@
+"""Bucketed batches: budgets, coverage, determinism, sharding and exact mid-epoch resume."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_train.batching import BatchCursor, BatchPlan, collate, quantile_boundaries
+
+lengths_st = st.lists(st.integers(1, 600), min_size=1, max_size=300)
+budget_st = st.integers(640, 5000)  # lengths up to 600 round up to a 640 bucket
+rows_st = st.integers(1, 40)
+
+
+def fake_dataset(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(3, 1000, n).tolist() for n in lengths]
+    masks = [rng.integers(0, 2, n).tolist() for n in lengths]
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "length": list(lengths)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, budget=budget_st, max_rows=rows_st, buckets=st.integers(1, 10),
+       epoch=st.integers(0, 5))
+def test_batches_respect_budget_and_cover_the_epoch(lengths, budget, max_rows, buckets, epoch):
+    plan = BatchPlan(lengths, token_budget=budget, max_batch_size=max_rows, num_buckets=buckets, seed=3)
+    batches = plan.epoch(epoch)
+    assert len(batches) == plan.num_batches
+    for batch in batches:
+        length = plan.length_of(batch)
+        assert length in plan.boundaries
+        assert 1 <= len(batch) <= max_rows
+        assert len(batch) * length <= budget
+        assert all(lengths[i] <= length for i in batch)
+        # The batch is in its tightest bucket: no smaller boundary would hold its longest row.
+        smaller = [b for b in plan.boundaries if b < length]
+        assert all(lengths[i] > smaller[-1] for i in batch) if smaller else True
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert set(plan.shapes) >= {(plan.rows[plan.boundaries.index(plan.length_of(b))], plan.length_of(b))
+                                for b in batches}
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=lengths_st, num_producers=st.integers(1, 7), epoch=st.integers(0, 3))
+def test_shards_are_disjoint_and_complete(lengths, num_producers, epoch):
+    plan = BatchPlan(lengths, token_budget=2048, max_batch_size=8, seed=1)
+    shards = [plan.shard(epoch, p, num_producers) for p in range(num_producers)]
+    flat = [i for shard in shards for i in shard]
+    assert sorted(flat) == list(range(plan.num_batches))
+    assert len(flat) == len(set(flat))
+
+
+def test_shuffle_is_a_function_of_seed_and_epoch():
+    lengths = list(range(1, 400))
+    def order(seed, epoch):
+        return [b.tolist() for b in BatchPlan(lengths, 4096, 16, seed=seed).epoch(epoch)]
+    assert order(0, 1) == order(0, 1)
+    assert order(0, 1) != order(0, 2)
+    assert order(0, 1) != order(1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), num_producers=st.integers(1, 3),
+       stop=st.integers(0, 40), seed=st.integers(0, 100))
+def test_resume_yields_the_same_remaining_batches(lengths, num_producers, stop, seed):
+    dataset = fake_dataset(lengths)
+    plan = BatchPlan(lengths, token_budget=512, max_batch_size=4, seed=seed)
+    producer = seed % min(num_producers, plan.num_batches)
+    straight = BatchCursor(dataset, plan, producer, num_producers)
+    expected = [next(straight) for _ in range(stop + 15)]
+    interrupted = BatchCursor(dataset, plan, producer, num_producers)
+    for _ in range(stop):
+        next(interrupted)
+    state = interrupted.state_dict()
+    resumed = BatchCursor(dataset, BatchPlan(lengths, token_budget=512, max_batch_size=4, seed=seed),
+                          producer, num_producers)
+    resumed.load_state_dict(state)
+    for want, got in zip(expected[stop:], (next(resumed) for _ in range(15))):
+        assert (want.epoch, want.index, want.indices) == (got.epoch, got.index, got.indices)
+        assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.loss_mask, got.loss_mask)
+
+
+def test_cursor_walks_epochs_in_producer_order():
+    lengths = [5, 60, 60, 130, 7, 300, 20, 20, 90, 250] * 3
+    plan = BatchPlan(lengths, token_budget=600, max_batch_size=3, seed=0)
+    cursor = BatchCursor(fake_dataset(lengths), plan, producer=1, num_producers=2)
+    seen = [(b.epoch, b.index) for b in (next(cursor) for _ in range(2 * cursor.batches_per_epoch))]
+    own = plan.shard(0, 1, 2)
+    assert seen == [(0, i) for i in own] + [(1, i) for i in own]
+
+
+def test_collate_and_stats_against_naive_padding():
+    lengths = [3, 9, 4]
+    dataset = fake_dataset(lengths, seed=5)
+    input_ids, loss_mask, lengths_B = collate(dataset, np.array([2, 0, 1]), 12, pad_id=7)
+    for row, i in enumerate([2, 0, 1]):
+        ids, mask = dataset[i]["input_ids"], dataset[i]["loss_mask"]
+        assert input_ids[row].tolist() == ids + [7] * (12 - len(ids))
+        assert loss_mask[row].tolist() == [bool(m) for m in mask] + [False] * (12 - len(mask))
+    assert lengths_B.tolist() == [4, 3, 9] and input_ids.dtype == torch.long and loss_mask.dtype == torch.bool
+    plan = BatchPlan(lengths, token_budget=64, max_batch_size=8, boundaries=[16])
+    batch = next(BatchCursor(dataset, plan, pad_id=7))
+    assert batch.stats() == {"avg_seq_len": 16 / 3, "max_seq_len": 9, "batch_size": 3,
+                             "padding_efficiency": 16 / 48}
+    assert plan.padding_efficiency() == 16 / 48
+
+
+def test_quantile_boundaries_and_shapes():
+    lengths = list(range(1, 1001))
+    assert quantile_boundaries(lengths, 4, 64) == [256, 512, 768, 1024]
+    assert quantile_boundaries([5] * 10, 8, 64) == [64]
+    plan = BatchPlan(lengths, token_budget=4096, max_batch_size=10, boundaries=[256, 512, 1024, 2048])
+    assert plan.shapes == [(10, 256), (8, 512), (4, 1024)]  # the empty 2048 bucket needs no warm-up
+
+
+def test_plan_errors_name_the_fix():
+    with pytest.raises(ValueError, match="raise token_budget to >= 1024"):
+        BatchPlan([1000], token_budget=512, boundaries=[1024])
+    with pytest.raises(ValueError, match="add a boundary >= 900"):
+        BatchPlan([900], token_budget=4096, boundaries=[512])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        BatchPlan([10], boundaries=[64, 32])
+    plan = BatchPlan([10, 20], token_budget=64, boundaries=[32])
+    cursor = BatchCursor(fake_dataset([10, 20]), plan)
+    other = BatchCursor(fake_dataset([10, 20]), BatchPlan([10, 20], token_budget=64, boundaries=[32], seed=9))
+    with pytest.raises(ValueError, match="seed: saved 0, now 9"):
+        other.load_state_dict(cursor.state_dict())
+    with pytest.raises(ValueError, match="producer 1 would get no batch"):
+        BatchCursor(fake_dataset([10, 20]), plan, producer=1, num_producers=2)

@@ -1,0 +1,353 @@
+"""Reading records (every format, every kind of damage), prepare's report and cache, the CLI,
+and the embedded default data."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_train import assets, cli, data
+
+# ---------------------------------------------------------------------------------------------
+# A generator of valid and damaged records with the expected verdict for each.
+
+ASSISTANT_NAMES = ["gpt", "assistant", "chatgpt", "bard", "bing", "model", "GPT"]
+USER_NAMES = ["human", "user", "Human"]
+TRICKY = ["<|im_end|>", "\\n", "\"quoted\"", "tab\there", "🙂", "中文", "Ω≈ç√", "\u200b", "a\nb", "{}", "[1]"]
+
+
+def random_text(rng: random.Random) -> str:
+    pieces = [rng.choice(["word", "Hello", "x", "42"])]
+    for _ in range(rng.randrange(4)):
+        pick = rng.random()
+        if pick < 0.3:
+            pieces.append(rng.choice(TRICKY))
+        elif pick < 0.6:
+            pieces.append("".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0xA0, 0xD7FF),
+                                                  rng.randrange(0xE000, 0x10FFFF)])) for _ in range(3)))
+        else:
+            pieces.append(rng.choice(["the", "cat", "sat", "on", " ", "mat."]))
+    return " ".join(pieces)
+
+
+def valid_record(rng: random.Random) -> tuple[dict, list[dict]]:
+    """A valid record and the messages the reader must return for it."""
+    fmt = rng.choice(["sharegpt", "openai"])
+    messages = []
+    if rng.random() < 0.3:
+        messages.append(("system", "system", random_text(rng)))
+    for _ in range(rng.randrange(1, 4)):
+        user = rng.choice(USER_NAMES) if fmt == "sharegpt" else "user"
+        helper = rng.choice(ASSISTANT_NAMES) if fmt == "sharegpt" else "assistant"
+        messages.append((user, "user", random_text(rng)))
+        messages.append((helper, "assistant", random_text(rng)))
+    list_key, role_key, content_key = data.FORMATS[fmt]
+    record = {list_key: [{role_key: raw, content_key: text} for raw, _, text in messages]}
+    if rng.random() < 0.5:
+        record["id"] = f"id-{rng.randrange(10**6)}"
+    return record, [{"role": role, "content": text} for _, role, text in messages]
+
+
+def damage(rng: random.Random, record: dict) -> tuple[object, str]:
+    """Break a valid record in one way; returns (object or raw bytes, expected reason category)."""
+    list_key = "conversations" if "conversations" in record else "messages"
+    role_key, content_key = ("from", "value") if list_key == "conversations" else ("role", "content")
+    turns = record[list_key]
+    turn = rng.choice(turns)
+    kind = rng.randrange(13)
+    if kind == 0:
+        text = json.dumps(record)
+        return text[: rng.randrange(1, len(text) - 1)].encode(), "malformed JSON"
+    if kind == 1:
+        turn[content_key] = "@@BAD@@"
+        return json.dumps(record).replace("@@BAD@@", "ok \\u00e9").encode().replace(b"ok", b"\xff\xfe", 1), \
+            "invalid UTF-8"
+    if kind == 2:
+        turn[role_key] = rng.choice(["robot", "tool", "", "function", "humans"])
+        return record, "unknown role"
+    if kind == 3:
+        turn[content_key] = rng.choice(["", "   ", "\n\t "])
+        return record, "empty content"
+    if kind == 4:
+        turn[content_key] = rng.choice([5, 1.5, True, ["text"], {"text": "x"}])
+        return record, "non-string content"
+    if kind == 5:
+        del turn[rng.choice([role_key, content_key])]
+        return record, "missing field"
+    if kind == 6:
+        turn[content_key] = None
+        return record, "missing field"
+    if kind == 7:
+        del record[list_key]
+        record["text"] = "no turns here"
+        return record, "missing field"
+    if kind == 8:
+        record[list_key] = rng.choice(["a string", {"from": "human"}, 7])
+        return record, "wrong type"
+    if kind == 9:
+        turns[turns.index(turn)] = rng.choice(["just text", ["human", "hi"], 3])
+        return record, "wrong type"
+    if kind == 10:
+        return rng.choice([[record], "a string", 12, None, True]), "wrong type"
+    if kind == 11:
+        user_name = "human" if list_key == "conversations" else "user"
+        record[list_key] = [t for t in turns if t.get(role_key) in ("system", user_name, "human", "user", "Human")]
+        return record, "no assistant turn"
+    turn[content_key] = "text \udcff"  # an unpaired surrogate, written as a JSON escape
+    return record, "invalid UTF-8"
+
+
+def make_case(rng: random.Random) -> tuple[bytes, list[dict] | None, str | None]:
+    """One JSONL line: (bytes, expected messages or None, expected skip category or None)."""
+    record, messages = valid_record(rng)
+    if rng.random() < 0.5:
+        return json.dumps(record, ensure_ascii=rng.random() < 0.5).encode(), messages, None
+    broken, category = damage(rng, record)
+    if isinstance(broken, bytes):
+        return broken, None, category
+    return json.dumps(broken).encode(), None, category
+
+
+def check_cases(path, cases):
+    items = list(data.iter_records([path]))
+    assert len(items) == len(cases)
+    for number, (item, (_, messages, category)) in enumerate(zip(items, cases), start=1):
+        assert item.line == number and item.file == str(path)
+        if category is None:
+            assert isinstance(item, data.Record), item
+            assert item.messages == messages
+        else:
+            assert isinstance(item, data.Skip), (number, category)
+            assert item.category == category, (item.reason, category)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rng=st.randoms(use_true_random=False), count=st.integers(1, 30))
+def test_fuzz_reader_reports_every_bad_record(tmp_path, rng, count):
+    cases = [make_case(rng) for _ in range(count)]
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(line for line, _, _ in cases) + b"\n")
+    check_cases(path, cases)
+
+
+def test_fuzz_prepare_thousands(tmp_path, smollm2_path):
+    """3000 generated records through prepare: zero crashes, every bad one listed with its
+    line and reason category, every good one kept as a sample."""
+    rng = random.Random(1234)
+    cases = [make_case(rng) for _ in range(3000)]
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"\n".join(line for line, _, _ in cases) + b"\n")
+    check_cases(path, cases)
+    report = data.prepare([path], smollm2_path, tmp_path / "out", log=lambda *_: None).report
+    good = sum(category is None for _, _, category in cases)
+    bad = {(number, category) for number, (_, _, category) in enumerate(cases, start=1) if category}
+    assert report["num_records"] == 3000
+    assert report["num_samples"] == good
+    assert {(s["line"], s["reason"].split(":")[0]) for s in report["skipped"]} == bad
+    assert report["num_skipped"] == len(bad) > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# File formats
+
+
+SHAREGPT = {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+OPENAI = {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+                       {"role": "assistant", "content": "4"}]}
+EXPECTED = {
+    "a": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+    "b": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+          {"role": "assistant", "content": "4"}],
+}
+
+
+def test_json_array_lines_and_damage(tmp_path):
+    path = tmp_path / "array.json"
+    path.write_text(json.dumps([SHAREGPT, 5, OPENAI, {"conversations": "x"}], indent=2))
+    items = list(data.iter_records([path]))
+    assert [type(i).__name__ for i in items] == ["Record", "Skip", "Record", "Skip"]
+    assert items[0].messages == EXPECTED["a"] and items[2].messages == EXPECTED["b"]
+    # Each record is reported at the line where its element of the array starts.
+    starts = [n for n, line in enumerate(path.read_text().splitlines(), 1) if line[:3] in ("  {", "  5")]
+    assert [i.line for i in items] == starts and len(starts) == 4
+
+
+def test_truncated_json_array_keeps_whole_records(tmp_path):
+    text = json.dumps([SHAREGPT] * 5, indent=2)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: int(len(text) * 0.7)])
+    items = list(data.iter_records([path]))
+    assert all(isinstance(i, data.Record) for i in items[:-1]) and len(items) == 4
+    assert items[-1].category == "truncated file"
+
+
+def test_json_array_with_broken_middle_and_bad_bytes(tmp_path):
+    good = json.dumps(SHAREGPT).encode()
+    bad_bytes = good.replace(b"Hello!", b"Hel\xfflo!")
+    path = tmp_path / "broken.json"
+    path.write_bytes(b"[\n" + good + b",\n" + bad_bytes + b",\n" + good + b",\n{\"conversations\": [,]},\n" + good + b"\n]")
+    items = list(data.iter_records([path]))
+    assert [(type(i).__name__, i.line) for i in items] == [("Record", 2), ("Skip", 3), ("Record", 4), ("Skip", 5)]
+    assert items[1].category == "invalid UTF-8" and items[3].category == "malformed JSON"
+
+
+def test_jsonl_parquet_folder(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "mixed"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text(json.dumps(SHAREGPT) + "\n\n" + json.dumps(OPENAI) + "\n")
+    (folder / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(OPENAI).encode() + b"\r\n")  # BOM, CRLF, JSON Lines
+    pq.write_table(pa.Table.from_pylist([SHAREGPT, SHAREGPT]), folder / "sub" / "c.parquet")
+    (folder / "sub" / "d.parquet").write_bytes(b"not a parquet file")
+    (folder / "notes.txt").write_text("ignored")
+    items = list(data.iter_records([folder]))
+    where = [(os.path.relpath(i.file, folder), i.line, type(i).__name__) for i in items]
+    assert where == [("a.jsonl", 1, "Record"), ("a.jsonl", 3, "Record"), ("b.json", 1, "Record"),
+                     ("sub/c.parquet", 1, "Record"), ("sub/c.parquet", 2, "Record"),
+                     ("sub/d.parquet", 0, "Skip")]
+    assert items[3].messages == EXPECTED["a"] and items[1].messages == EXPECTED["b"]
+    assert items[-1].category == "unreadable file"
+
+
+def test_missing_paths_are_clear_errors(tmp_path):
+    with pytest.raises(data.DataError, match="no such file"):
+        data.data_files([tmp_path / "nope.jsonl"])
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(data.DataError, match="unsupported file type '.csv'"):
+        data.data_files([tmp_path / "x.csv"])
+
+
+def test_trim_conversation():
+    m = [{"role": "assistant", "content": "orphan"}, {"role": "system", "content": "s"},
+         {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "tail"}]
+    assert data.trim_conversation(m) == m[1:4]
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokenizer):
+    src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI, {"messages": [{"role": "bot", "content": "x"}]}])
+    result = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report == result.report
+    assert {k: report[k] for k in ("num_records", "num_samples", "num_skipped")} == \
+        {"num_records": 3, "num_samples": 2, "num_skipped": 1}
+    assert report["skipped"] == [{"file": str(src), "line": 3, "reason": report["skipped"][0]["reason"]}]
+    assert report["skipped"][0]["reason"].startswith("unknown role: messages[0].role is 'bot'")
+    ds = result.dataset
+    assert ds.column_names == ["input_ids", "loss_mask", "length"]
+    for row, messages in zip(ds, EXPECTED.values()):
+        [(ids, mask)] = data.tokenize_samples(smollm2_tokenizer, data.supervised_spans(smollm2_tokenizer, messages))
+        assert row["input_ids"] == ids.tolist() and row["loss_mask"] == mask.tolist()
+        assert row["length"] == len(ids)
+    assert report["num_tokens"] == sum(ds["length"])
+    assert report["num_supervised_tokens"] == sum(sum(m) for m in ds["loss_mask"])
+
+
+def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI])
+    first = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    assert not first.cached
+
+    def no_tokenizing(*_args, **_kwargs):
+        raise AssertionError("a cached prepare must not tokenize")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "tokenize_samples", no_tokenizing)
+        again = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+        assert again.cached and again.report == first.report and len(again.dataset) == 2
+        with pytest.raises(AssertionError, match="must not tokenize"):  # a setting changed
+            data.prepare([src], smollm2_path, tmp_path / "out", max_length=64, log=lambda *_: None)
+    write_jsonl(src, [SHAREGPT])  # the input changed
+    third = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    assert not third.cached and third.report["num_samples"] == 1
+
+
+def test_prepare_overlong_truncate_and_drop(tmp_path, smollm2_path):
+    long = {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]}
+    src = write_jsonl(tmp_path / "in.jsonl", [long, SHAREGPT])
+    cut = data.prepare([src], smollm2_path, tmp_path / "t", max_length=64, log=lambda *_: None)
+    assert cut.report["num_samples"] == 2 and cut.report["num_truncated"] == 1
+    assert max(cut.dataset["length"]) == 64
+    dropped = data.prepare([src], smollm2_path, tmp_path / "d", max_length=64, overlong="drop", log=lambda *_: None)
+    assert dropped.report["num_samples"] == 1
+    assert dropped.report["skipped_by_reason"] == {"over-long": 1}
+    # A truncation that leaves no supervised pair drops the sample and says why.
+    tiny = data.prepare([src], smollm2_path, tmp_path / "s", max_length=30, log=lambda *_: None)
+    assert tiny.report["skipped_by_reason"] == {"too few supervised tokens": 2}
+
+
+def test_prepare_strict_lists_every_bad_record(tmp_path, smollm2_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(SHAREGPT) + "\n{broken\n" + json.dumps({"messages": 3}) + "\n")
+    with pytest.raises(data.DataError) as err:
+        data.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
+    message = str(err.value)
+    assert "2 bad record(s)" in message and f"{src}:2: malformed JSON" in message and f"{src}:3: wrong type" in message
+    assert not (tmp_path / "out").exists()
+    data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    with pytest.raises(data.DataError, match="2 bad record"):  # also from the cache
+        data.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
+
+
+def test_prepare_refuses_foreign_out_folder(tmp_path, smollm2_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "precious.txt").write_text("keep me")
+    with pytest.raises(data.DataError, match="not a prepared dataset"):
+        data.prepare([src], smollm2_path, tmp_path / "mine", log=lambda *_: None)
+    assert (tmp_path / "mine" / "precious.txt").exists()
+
+
+def test_prepare_rewriting_template(tmp_path, template_dirs):
+    two_turns = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    src = write_jsonl(tmp_path / "in.jsonl", [two_turns])
+    assert data.prepare([src], template_dirs["llama3"], tmp_path / "l", log=lambda *_: None).report["num_samples"] == 1
+    assert data.prepare([src], template_dirs["qwen3"], tmp_path / "q", log=lambda *_: None).report["num_samples"] == 2
+
+
+def test_cli_data_prepare(tmp_path, smollm2_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, {"conversations": [{"from": "alien", "value": "x"}]}])
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--data", str(src), "--target", str(smollm2_path), "--out", str(out),
+            "--max-length", "128"]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_samples"] == 1 and report["max_length"] == 128
+    assert cli.main(argv) == 0 and "cached" in capsys.readouterr().out
+    assert cli.main(argv + ["--strict"]) == 1
+    assert f"{src}:2: unknown role" in capsys.readouterr().out
+
+
+def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypatch):
+    """The embedded default goes through prepare on the bundled file (here a cut-down copy
+    of it, truncated mid-record like the real one) into the cache folder."""
+    head = assets.sharegpt_json().read_bytes()[:200_000]
+    small = tmp_path / "sharegpt.json"
+    small.write_bytes(head)
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(assets, "sharegpt_json", lambda: small)
+    result = data.default_dataset(smollm2_path, log=lambda *_: None)
+    assert result.path.parent == tmp_path / "cache" / "data"
+    report = result.report
+    assert report["skipped_by_reason"].get("truncated file") == 1
+    # ChatML never rewrites turns: every record is one sample or one skip.
+    assert report["num_samples"] > 20 and report["num_records"] == report["num_samples"] + report["num_skipped"]
+    assert data.default_dataset(smollm2_path, log=lambda *_: None).cached
+    assert np.all(np.asarray(result.dataset["length"]) <= data.DEFAULT_MAX_LENGTH)

@@ -1,0 +1,139 @@
+"""Regeneration on CPU with a tiny random Llama and the real SmolLM2 tokenizer: turn-by-turn
+context, formats kept, exact resume after an interruption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_train import cli, data, regenerate
+
+SHAREGPT = [
+    {"id": f"r{i}", "conversations": [
+        {"from": "human", "value": "hello " * (i % 4 + 1)}, {"from": "gpt", "value": "old answer"},
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "old again"}]}
+    for i in range(9)
+]
+OPENAI = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {i}"},
+                        {"role": "assistant", "content": "old"}], "source": "test"} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, smollm2_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run(paths, target, out, **kwargs):
+    settings = {"max_new_tokens": 6, "batch_size": 3, "device": "cpu", "log": lambda *_: None}
+    return regenerate.regenerate(paths, target, out, **{**settings, **kwargs})
+
+
+def greedy_reply(model, tokenizer, messages, max_new_tokens=6):
+    """One conversation, batch of one, no padding: the slow reference."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=2, eos_token_id=2)[0, ids.shape[1]:].tolist()
+    out = out[: out.index(2)] if 2 in out else out
+    return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_turn_by_turn_matches_unbatched_reference(tmp_path, tiny_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)
+    run([src], tiny_target, tmp_path / "out.jsonl")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["id"] for line in lines] == [r["id"] for r in SHAREGPT]
+    for record, line in zip(SHAREGPT[:4], lines):
+        turns = line["conversations"]
+        assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
+        assert [turns[0]["value"], turns[2]["value"]] == [record["conversations"][0]["value"],
+                                                          record["conversations"][2]["value"]]
+        context = [{"role": "user", "content": turns[0]["value"]}]
+        first = greedy_reply(model, tokenizer, context)
+        # The second reply sees the regenerated first reply, not the original one.
+        second = greedy_reply(model, tokenizer, context + [{"role": "assistant", "content": first},
+                                                           {"role": "user", "content": turns[2]["value"]}])
+        assert [turns[1]["value"], turns[3]["value"]] == [first, second]
+        assert first != "old answer"
+
+
+def test_openai_format_kept(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "in.jsonl", OPENAI)
+    summary = run([src], tiny_target, tmp_path / "out.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [[m["role"] for m in line["messages"]] for line in lines] == [["system", "user", "assistant"]] * 3
+    assert all(line["source"] == "test" and line["messages"][2]["content"] != "old" for line in lines)
+    assert summary["num_turns"] == 3 and summary["num_written"] == 3
+
+
+def test_resume_after_interruption_equals_one_run(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT + [{"conversations": [{"from": "alien", "value": "x"}]}])
+    whole = tmp_path / "whole.jsonl"
+    summary = run([src], tiny_target, whole, batch_size=2)
+    assert summary["num_skipped"] == 1 and summary["num_written"] == 9
+    parts = tmp_path / "parts.jsonl"
+    run([src], tiny_target, parts, batch_size=2, limit=3)  # stops mid-chunk (chunks are 8)
+    assert len(parts.read_text().splitlines()) == 3
+    with open(parts, "a") as handle:  # a run killed while writing its next line
+        handle.write('{"id": "r3", "conversations": [{"from": "hu')
+    resumed = run([src], tiny_target, parts, batch_size=2)
+    assert resumed["num_resumed"] == 3 and resumed["num_written"] == 6
+    assert parts.read_text() == whole.read_text()
+    assert run([src], tiny_target, parts, batch_size=2)["num_written"] == 0  # already complete
+
+
+def test_output_from_other_input_is_refused(tmp_path, tiny_target):
+    out = write_jsonl(tmp_path / "out.jsonl", [SHAREGPT[5]])
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)
+    with pytest.raises(data.DataError, match="does not match input record"):
+        run([src], tiny_target, out)
+
+
+def test_long_prompts_cut_the_conversation(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:2])
+    summary = run([src], tiny_target, tmp_path / "out.jsonl", max_prompt_length=45)
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    # SmolLM2's default system prompt alone is ~20 tokens; the second turn's prompt is longer than 45.
+    assert summary["num_cut"] == 2 and [len(line["conversations"]) for line in lines] == [3, 3]
+
+
+def test_sampling_is_seeded(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:3])
+    outs = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run([src], tiny_target, tmp_path / f"{name}.jsonl", temperature=1.0, top_p=0.9, seed=seed)
+        outs.append((tmp_path / f"{name}.jsonl").read_text())
+    assert outs[0] == outs[1] != outs[2]
+
+
+def test_cli_regenerate(tmp_path, tiny_target, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", OPENAI[:2])
+    out = tmp_path / "out.jsonl"
+    argv = ["data", "regenerate", "--data", str(src), "--target", str(tiny_target), "--out", str(out),
+            "--max-new-tokens", "4", "--device", "cpu", "--batch-size", "2"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_written"] == 2
+    assert len(out.read_text().splitlines()) == 2
+    assert cli.main(argv[:-2] + ["--batch-size", "0"]) == 1
+    assert "batch_size=0" in capsys.readouterr().out
