@@ -166,12 +166,12 @@ class Config:
 # (the dataclass defaults above) instead.
 EMBEDDED_DEFAULT: dict = {
     "output_dir": "runs/default",
-    "drafter": {"num_layers": 2, "block_size": 16},
-    "data": {"max_length": 512, "token_budget": 8192, "max_batch_size": 16},
-    "objective": {"num_anchors": 64},
+    "drafter": {"num_layers": 1, "block_size": 16},
+    "data": {"max_length": 512, "token_budget": 2048, "max_batch_size": 16},
+    "objective": {"num_anchors": 16},
     "optim": {"lr": 1.0e-3},
-    "train": {"max_steps": 150, "anchor_multiple": 16},
-    "checkpoint": {"every": 50, "keep": 2},
+    "train": {"max_steps": 60, "anchor_multiple": 16},
+    "checkpoint": {"every": 20, "keep": 2},
     "log": {"every": 10},
 }
 
