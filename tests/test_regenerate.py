@@ -32,7 +32,12 @@ def tiny_target(tmp_path_factory, smollm2_path):
     folder = tmp_path_factory.mktemp("tiny-target")
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
+    # A 64-wide model gains nothing from intra-op threads, and on a busy 2-core machine their
+    # spin-waiting made these tests 3x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield folder
+    torch.set_num_threads(threads)
 
 
 def write_jsonl(path, records):
