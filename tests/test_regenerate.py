@@ -142,3 +142,24 @@ def test_cli_regenerate(tmp_path, tiny_target, capsys):
     assert len(out.read_text().splitlines()) == 2
     assert cli.main(argv[:-2] + ["--batch-size", "0"]) == 1
     assert "batch_size=0" in capsys.readouterr().out
+
+
+def test_template_refusal_cuts_instead_of_crashing(tmp_path, tiny_target):
+    """A template that raises on some conversations (as Llama 2's does on non-alternating
+    roles) cuts those conversations; the others are regenerated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{%- if 'forbidden' in m['content'] %}"
+        "{{ raise_exception('no forbidden words') }}{%- endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    records = [SHAREGPT[0], {"conversations": [{"from": "human", "value": "a forbidden word"},
+                                               {"from": "gpt", "value": "x"}]}]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    summary = run([src], tiny_target, tmp_path / "out.jsonl", tokenizer=tokenizer)
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert summary["num_template_errors"] == 1 and summary["num_turns"] == 2
+    assert [len(line["conversations"]) for line in lines] == [4, 1]
