@@ -139,8 +139,8 @@ class BatchPlan:
         padded = sum(len(b) * self.length_of(b) for b in self.epoch(0))
         return float(self.lengths.sum()) / padded
 
-    def shard(self, epoch: int, producer: int, num_producers: int) -> list[int]:
-        """Indices (in the epoch) of the batches that `producer` makes: i % num_producers."""
+    def shard(self, producer: int, num_producers: int) -> list[int]:
+        """Indices (in every epoch) of the batches that `producer` makes: i % num_producers == producer."""
         return list(range(producer, self.num_batches, num_producers))
 
 
@@ -180,7 +180,7 @@ class BatchCursor:
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.plan.shard(0, self.producer, self.num_producers))
+        return len(self.plan.shard(self.producer, self.num_producers))
 
     def __iter__(self) -> Iterator[Batch]:
         return self

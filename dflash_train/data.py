@@ -143,9 +143,25 @@ def _iter_objects(path: Path) -> Iterator[tuple[Any, int]]:
     head = data.lstrip()[:1]
     if path.suffix == ".json" and head == b"[":
         yield from _iter_json_array(name, data)
-    else:
-        # .jsonl, and .json files that hold one object per line instead of an array.
-        yield from _iter_json_lines(name, data)
+        return
+    if path.suffix == ".json" and head == b"{":
+        try:  # one (possibly pretty-printed) record
+            yield json.loads(data.decode("utf-8")), 1 + data[: data.index(b"{")].count(b"\n")
+            return
+        except (ValueError, RecursionError):
+            pass  # several objects, one per line, or damage: read it line by line
+    # .jsonl, and .json files that hold one object per line instead of an array.
+    yield from _iter_json_lines(name, data)
+
+
+def _json_error(err: Exception) -> str:
+    """A malformed-JSON reason from whatever the decoder raised (it also raises plain
+    ValueError for over-long integers and RecursionError for very deep nesting)."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"malformed JSON: {err.msg} at line {err.lineno} column {err.colno}"
+    if isinstance(err, RecursionError):
+        return "malformed JSON: nested too deeply to decode"
+    return f"malformed JSON: {err}"
 
 
 def _iter_json_lines(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
@@ -158,9 +174,11 @@ def _iter_json_lines(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
             yield Skip(name, number, f"invalid UTF-8: byte {err.start} of the line ({err.reason})"), number
             continue
         try:
-            yield json.loads(text), number
-        except json.JSONDecodeError as err:
-            yield Skip(name, number, f"malformed JSON: {err.msg} at column {err.colno}"), number
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            yield Skip(name, number, _json_error(err)), number
+            continue
+        yield obj, number
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -202,13 +220,13 @@ def _iter_json_array(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
             continue
         try:
             obj, stop = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:
             # A cut file never closes its array; a damaged one fails before its closing ']'.
             cut = not text.rstrip().endswith("]")
             reason = (
                 "truncated file: the file ends inside this record (the array is never closed)"
                 if cut
-                else f"malformed JSON: {err.msg} at line {err.lineno}; the rest of the file is not read"
+                else f"{_json_error(err)}; the rest of the file is not read"
             )
             yield Skip(name, line, reason), line
             return

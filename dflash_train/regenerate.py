@@ -146,7 +146,12 @@ def regenerate_chunk(generator: Generator, records: list[Record], settings: dict
                 cursors[k] += 1
             if cursors[k] == len(messages):
                 continue
-            if generator.prompt_length(outputs[k]) > settings["max_prompt_length"]:
+            try:
+                too_long = generator.prompt_length(outputs[k]) > settings["max_prompt_length"]
+            except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
+                stats["num_template_errors"] += 1
+                continue  # cut here, like an over-long prompt
+            if too_long:
                 stats["num_cut"] += 1  # the rest of this conversation is dropped
                 continue
             prompts.append(outputs[k])
@@ -157,6 +162,7 @@ def regenerate_chunk(generator: Generator, records: list[Record], settings: dict
         ) if prompts else ([], 0)
         stats["num_unfinished"] += unfinished
         stats["num_turns"] += len(answers)
+        stats["num_empty"] += sum(not answer.strip() for answer in answers)
         for k, answer in zip(owners, answers):
             outputs[k].append({"role": "assistant", "content": answer})
             cursors[k] += 1
@@ -187,7 +193,8 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     done = resume_point(out, records)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
-               "num_written": 0, "num_turns": 0, "num_unfinished": 0, "num_cut": 0}
+               "num_written": 0, "num_turns": 0, "num_unfinished": 0, "num_empty": 0, "num_cut": 0,
+               "num_template_errors": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
     stop = len(records) if limit is None else min(len(records), done + limit)

@@ -60,10 +60,13 @@ def damage(rng: random.Random, record: dict) -> tuple[object, str]:
     role_key, content_key = ("from", "value") if list_key == "conversations" else ("role", "content")
     turns = record[list_key]
     turn = rng.choice(turns)
-    kind = rng.randrange(13)
+    kind = rng.randrange(14)
     if kind == 0:
         text = json.dumps(record)
         return text[: rng.randrange(1, len(text) - 1)].encode(), "malformed JSON"
+    if kind == 13:  # decoder limits: very deep nesting, an integer too long to convert
+        depth = rng.choice([10_000, 200_000])
+        return rng.choice([b"[" * depth + b"]" * depth, b'{"messages": ' + b"9" * 5000 + b"}"]), "malformed JSON"
     if kind == 1:
         turn[content_key] = "@@BAD@@"
         return json.dumps(record).replace("@@BAD@@", "ok \\u00e9").encode().replace(b"ok", b"\xff\xfe", 1), \
@@ -207,14 +210,15 @@ def test_jsonl_parquet_folder(tmp_path):
     (folder / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(OPENAI).encode() + b"\r\n")  # BOM, CRLF, JSON Lines
     pq.write_table(pa.Table.from_pylist([SHAREGPT, SHAREGPT]), folder / "sub" / "c.parquet")
     (folder / "sub" / "d.parquet").write_bytes(b"not a parquet file")
+    (folder / "sub" / "e.json").write_text(json.dumps(SHAREGPT, indent=2))  # one pretty-printed record
     (folder / "notes.txt").write_text("ignored")
     items = list(data.iter_records([folder]))
     where = [(os.path.relpath(i.file, folder), i.line, type(i).__name__) for i in items]
     assert where == [("a.jsonl", 1, "Record"), ("a.jsonl", 3, "Record"), ("b.json", 1, "Record"),
                      ("sub/c.parquet", 1, "Record"), ("sub/c.parquet", 2, "Record"),
-                     ("sub/d.parquet", 0, "Skip")]
+                     ("sub/d.parquet", 0, "Skip"), ("sub/e.json", 1, "Record")]
     assert items[3].messages == EXPECTED["a"] and items[1].messages == EXPECTED["b"]
-    assert items[-1].category == "unreadable file"
+    assert items[-2].category == "unreadable file" and items[-1].messages == EXPECTED["a"]
 
 
 def test_missing_paths_are_clear_errors(tmp_path):

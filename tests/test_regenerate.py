@@ -32,7 +32,12 @@ def tiny_target(tmp_path_factory, smollm2_path):
     folder = tmp_path_factory.mktemp("tiny-target")
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
+    # A 64-wide model gains nothing from intra-op threads, and on a busy 2-core machine their
+    # spin-waiting made these tests 3x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield folder
+    torch.set_num_threads(threads)
 
 
 def write_jsonl(path, records):
@@ -137,3 +142,24 @@ def test_cli_regenerate(tmp_path, tiny_target, capsys):
     assert len(out.read_text().splitlines()) == 2
     assert cli.main(argv[:-2] + ["--batch-size", "0"]) == 1
     assert "batch_size=0" in capsys.readouterr().out
+
+
+def test_template_refusal_cuts_instead_of_crashing(tmp_path, tiny_target):
+    """A template that raises on some conversations (as Llama 2's does on non-alternating
+    roles) cuts those conversations; the others are regenerated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{%- if 'forbidden' in m['content'] %}"
+        "{{ raise_exception('no forbidden words') }}{%- endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    records = [SHAREGPT[0], {"conversations": [{"from": "human", "value": "a forbidden word"},
+                                               {"from": "gpt", "value": "x"}]}]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    summary = run([src], tiny_target, tmp_path / "out.jsonl", tokenizer=tokenizer)
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert summary["num_template_errors"] == 1 and summary["num_turns"] == 2
+    assert [len(line["conversations"]) for line in lines] == [4, 1]
