@@ -110,7 +110,7 @@ def tiny_random_target_dir() -> Path:
     import transformers
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = cache_root() / f"tiny-random-llama-tf{transformers.__version__}"
+    out = cache_root() / f"tiny-random-llama-v4-tf{transformers.__version__}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
@@ -124,6 +124,10 @@ def tiny_random_target_dir() -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
+        # Embedding rows of norm ~4 (tied): with the default std 0.02 the logits of any hidden state
+        # stay near zero and a drafter trained against this target could barely lower its loss.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, 0.5)
     with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -123,7 +123,9 @@ class Trainer:
         target_dir = resolve_target_path(cfg.target.path)
         target_config = AutoConfig.from_pretrained(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        drafter = build_drafter(cfg, target_config, tokenizer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
+            drafter = build_drafter(cfg, target_config, tokenizer)
         self.block_size = drafter.block_size
         self.dataset = load_data(cfg, target_dir, log)
         plan = BatchPlan(self.dataset["length"], token_budget=cfg.data.token_budget,
@@ -229,9 +231,11 @@ class Trainer:
                 self.step += 1
                 self.acc.add_step(result.grad_norm, skipped=not result.applied)
                 sink.progress()
-                self.track_skips(result, sink)
-                if self.step % self.cfg.log.every == 0 or self.step == self.total_steps:
+                stopping = self.track_skips(result, sink)
+                if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping:
                     sink.log(self.log_record())
+                if stopping:
+                    self.stop_on_skips()
                 if self.step % self.cfg.checkpoint.every == 0:
                     self.save()
             if stop.requested is not None:
@@ -246,20 +250,23 @@ class Trainer:
         self.log(f"drafter exported to {exported}")
         return exported
 
-    def track_skips(self, result: StepResult, sink: MetricsSink) -> None:
+    def track_skips(self, result: StepResult, sink: MetricsSink) -> bool:
+        """Count skipped steps; True when the run must stop."""
         if result.applied:
             self.consecutive_skips = 0
-            return
+            return False
         self.consecutive_skips += 1
         self.total_skipped += 1
         sink.event(f"step {self.step}: non-finite loss or gradient; step skipped, weights untouched")
-        if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
-            path = self.save()
-            raise TrainingStopped(
-                f"{self.consecutive_skips} consecutive non-finite steps (limit "
-                f"train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}); the last good state "
-                f"is saved in {path}. Lower optim.lr or check the data and the target."
-            )
+        return self.consecutive_skips >= self.cfg.train.max_consecutive_skips
+
+    def stop_on_skips(self) -> None:
+        path = self.save()
+        raise TrainingStopped(
+            f"{self.consecutive_skips} consecutive non-finite steps (limit "
+            f"train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}); the last good state "
+            f"is saved in {path}. Lower optim.lr or check the data and the target."
+        )
 
     def log_record(self) -> dict:
         record = {"step": self.step, "epoch": self.cursor.epoch, "lr": self.scheduler.get_last_lr()[0]}

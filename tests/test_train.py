@@ -1,0 +1,185 @@
+"""The trainer end to end on CPU with the tiny config: learning, exact resume after SIGTERM,
+corrupted checkpoints, non-finite steps, export, and the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train import cli
+from dflash_train.config import load_config
+from dflash_train.train import Trainer, TrainingStopped
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def train_cmd(out: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_train.cli", "train", "--config", str(TINY),
+            "--output-dir", str(out), *overrides]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """20 uninterrupted steps of the tiny config (log every step)."""
+    out = tmp_path_factory.mktemp("reference")
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(out), "train.max_steps=20"]) == 0
+    return out
+
+
+def test_fifty_steps_lower_the_loss(tmp_path):
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path)]) == 0
+    curve = losses(tmp_path)
+    assert len(curve) == 50
+    first = sum(curve[s] for s in range(1, 6)) / 5
+    last = sum(curve[s] for s in range(46, 51)) / 5
+    assert last < 0.8 * first, (first, last)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "acc", "acc_per_position", "tau_estimate",
+                "tokens_per_s", "samples_per_s", "avg_seq_len", "avg_max_seq_len", "avg_batch_size",
+                "padding_efficiency", "skipped_steps", "peak_memory_gib", "stage_s"):
+        assert key in record, key
+    assert len(record["acc_per_position"]) == 7  # block 8 -> positions 1..7
+    assert set(record["stage_s"]) >= {"target", "pack", "mask", "drafter_forward", "backward", "optimizer"}
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_then_rerun_gives_identical_losses(reference_run, tmp_path):
+    proc = subprocess.Popen(train_cmd(tmp_path, "train.max_steps=20"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    stop_after = 7 + int.from_bytes(os.urandom(1), "little") % 8  # a random step in 7..14
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= stop_after:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert "SIGTERM received" in output
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert saved and saved[-1] >= stop_after and saved[-1] < 20, (saved, output)
+    rerun = subprocess.run(train_cmd(tmp_path, "train.max_steps=20"), cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step-{saved[-1]}'}" in rerun.stdout
+    assert losses(tmp_path) == losses(reference_run)
+
+
+def test_corrupted_newest_checkpoint_falls_back(tmp_path, capsys):
+    out = tmp_path / "run"
+    command = ["train", "--config", str(TINY), "--output-dir", str(out), "train.max_steps=10"]
+    assert cli.main(command) == 0
+    first = losses(out)
+    newest = out / "checkpoints" / "step-10"
+    weights = newest / "drafter.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()
+    assert cli.main(command) == 0  # the same command again: resumes from step 5, redoes 6..10
+    said = capsys.readouterr().out
+    assert f"skipping checkpoint {newest}: drafter.safetensors does not match its checksum" in said
+    assert f"resuming from {out / 'checkpoints' / 'step-5'}" in said
+    assert losses(out) == first and len(first) == 10
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    import dflash_train.train as train_module
+
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3"])
+    trainer = Trainer(cfg)
+    real_loss = train_module.block_loss
+    poisoned = {4, 6, 7, 8}  # optimizer steps (1-based) whose loss turns NaN
+    snapshots = {}
+
+    def loss_with_nan(*args, **kwargs):
+        out = real_loss(*args, **kwargs)
+        if trainer.step + 1 in poisoned:
+            out.loss_sum = out.loss_sum * float("nan")
+        return out
+
+    real_step = trainer.train_step
+
+    def copy_state():
+        return ({k: v.clone() for k, v in trainer.drafter.state_dict().items()},
+                {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
+                 for k, s in trainer.optimizer.state_dict()["state"].items()})
+
+    def watched_step(batches):
+        if trainer.step + 1 == 4:
+            snapshots["before"] = copy_state()
+        result = real_step(batches)
+        if trainer.step + 1 == 4:
+            snapshots["after"] = copy_state()
+        return result
+
+    monkeypatch.setattr(train_module, "block_loss", loss_with_nan)
+    monkeypatch.setattr(trainer, "train_step", watched_step)
+    with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
+        trainer.run()
+    before, after = snapshots["before"], snapshots["after"]
+    for k, v in before[0].items():
+        assert torch.equal(v, after[0][k]), k
+    for k, s in before[1].items():
+        for n, t in s.items():
+            assert torch.equal(torch.as_tensor(t), torch.as_tensor(after[1][k][n])), (k, n)
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows[:8]] == [0, 0, 0, 1, 0, 1, 1, 1]
+    assert (tmp_path / "checkpoints" / "step-8").is_dir()  # the last good state, saved on stop
+
+
+def test_export_loads_back_everywhere(reference_run, tmp_path):
+    from transformers import AutoModel
+
+    from dflash_train.checkpoint import drafter_from_checkpoint
+    from dflash_train.drafter import DFlashDrafter
+
+    exported = reference_run / "drafter"
+    drafter = DFlashDrafter.from_pretrained(exported)
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == drafter.target_layer_ids
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 4
+    trained = drafter_from_checkpoint(reference_run / "checkpoints" / "step-20")
+    for k, v in trained.state_dict().items():
+        assert torch.equal(v.to(torch.bfloat16), drafter.state_dict()[k]), k
+    hf = AutoModel.from_pretrained(exported, trust_remote_code=True)
+    x = torch.randn(1, 6, len(drafter.target_layer_ids) * 64, dtype=torch.bfloat16)
+    e = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    pos = torch.arange(14)[None]
+    with torch.no_grad():
+        assert torch.equal(hf.to(torch.bfloat16)(x, e, pos), drafter(x, e, pos))
+    assert cli.main(["export", "--checkpoint", str(reference_run / "checkpoints" / "step-20"),
+                     "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (exported / "model.safetensors").read_bytes()
+
+
+def test_config_errors_stop_before_heavy_work(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter:\n  num_layer: 2\noptim:\n  lr: 0\ntrain:\n  epochs: many\n")
+    assert cli.main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "num_layer" in err and "optim.lr" in err and "train.epochs" in err
+
+
+@pytest.mark.slow
+def test_embedded_default_short_run(tmp_path):
+    """`dflash-train train` with no config (SmolLM2-135M on bundled ShareGPT), cut to 2 steps."""
+    assert cli.main(["train", "--output-dir", str(tmp_path), "train.max_steps=2", "log.progress=false"]) == 0
+    from dflash_train.drafter import DFlashDrafter
+
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+    assert drafter.config.hidden_size == 576 and drafter.target_layer_ids == [15]
+    assert len(losses(tmp_path)) == 1 or 2 in losses(tmp_path)
