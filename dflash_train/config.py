@@ -56,7 +56,8 @@ class DrafterSection:
 @dataclass
 class DataSection:
     paths: list[str] = field(default_factory=lambda: [BUNDLED_DATA])
-    """Chat data files or folders (.json/.jsonl/.parquet), or `bundled:sharegpt`."""
+    """Chat data files or folders (.json/.jsonl/.parquet), `bundled:sharegpt`, or one folder
+    written by `dflash-train data prepare` (used as it is; max_length/overlong do not apply)."""
     max_length: int = 3072
     """Tokens per sample after the chat template; longer samples are handled by `overlong`."""
     overlong: Literal["truncate", "drop"] = "truncate"

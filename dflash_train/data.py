@@ -451,7 +451,7 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _is_prepared_folder(path: Path) -> bool:
+def is_prepared_folder(path: Path) -> bool:
     try:
         return "fingerprint" in json.loads((path / "report.json").read_text())
     except (OSError, ValueError):
@@ -539,7 +539,7 @@ def prepare(
         raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
     files = data_files(paths)
     key = fingerprint(files, target, max_length, overlong)
-    if _is_prepared_folder(out):
+    if is_prepared_folder(out):
         report = json.loads((out / "report.json").read_text())
         if report["fingerprint"] == key:
             bad = [Skip(**s) for s in report["skipped"] if Skip(**s).category not in SAMPLE_DROP_REASONS]
@@ -619,7 +619,7 @@ def load_prepared(path: str | os.PathLike):
     import datasets
 
     path = Path(path)
-    if not _is_prepared_folder(path):
+    if not is_prepared_folder(path):
         raise DataError(f"{path}: not a prepared dataset (no report.json); run `dflash-train data prepare`")
     dataset = datasets.load_from_disk(str(path))
     missing = {"input_ids", "loss_mask", "length"} - set(dataset.column_names)

@@ -55,6 +55,11 @@ def load_data(cfg: Config, target_dir: Path, log=print):
     """The prepared dataset (cached) for the configured chat data."""
     from dflash_train import data
 
+    if len(cfg.data.paths) == 1 and data.is_prepared_folder(Path(cfg.data.paths[0])):
+        # A folder written by `dflash-train data prepare` (or a trainer's cache) is used as is.
+        dataset = data.load_prepared(cfg.data.paths[0])
+        log(f"data: {len(dataset)} prepared samples from {cfg.data.paths[0]}")
+        return _limit(dataset, cfg)
     if cfg.data.paths == [BUNDLED_DATA]:
         prepared = data.default_dataset(target_dir, max_length=cfg.data.max_length, log=log)
     else:
@@ -63,11 +68,14 @@ def load_data(cfg: Config, target_dir: Path, log=print):
         out = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "data"
         prepared = data.prepare(cfg.data.paths, target_dir, out, max_length=cfg.data.max_length,
                                 overlong=cfg.data.overlong, log=log)
-    dataset = prepared.dataset
-    if cfg.data.limit is not None and cfg.data.limit < len(dataset):
-        dataset = dataset.select(range(cfg.data.limit))
-    if len(dataset) == 0:
+    if len(prepared.dataset) == 0:
         raise ConfigError([f"data.paths: no usable samples (see {prepared.out}/report.json)"])
+    return _limit(prepared.dataset, cfg)
+
+
+def _limit(dataset, cfg: Config):
+    if cfg.data.limit is not None and cfg.data.limit < len(dataset):
+        return dataset.select(range(cfg.data.limit))
     return dataset
 
 
