@@ -229,7 +229,8 @@ def markdown_summary(result: dict) -> str:
             f"| {fmt(v['tau_cycles'], '.3f')} | {fmt(v['speedup'], '.2f')} | {fmt(v['mismatched_turns'], 'd')} |"
         )
     total = sum(result["histogram"]) or 1
-    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, speedup {fmt(result['speedup'], '.2f')}x "
+    speedup = "not measured" if result["speedup"] is None else f"{result['speedup']:.2f}x"
+    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, speedup {speedup} "
               "(target-only seconds per token / speculative seconds per token, same process)", "",
               "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
               ""]
