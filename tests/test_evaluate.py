@@ -161,7 +161,9 @@ def test_eval_config_section_is_validated(tmp_path):
 def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
     """Train a few steps with evaluation every 2 steps, export in float32, evaluate the export
     with `dflash-train eval` in float32: the acceptance lengths per prompt and turn are those
-    of the last in-training evaluation."""
+    of the last in-training evaluation. (With the random tiny target a few steps do not lift
+    acceptance above 1, so this checks the pipeline end to end; that acceptance depends on the
+    drafter's weights exactly as served is checked in test_specdec.py, incremental vs fresh.)"""
     from dflash_train.train import train
 
     prompts = write_prompts(tmp_path / "held_out.jsonl",
