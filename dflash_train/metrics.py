@@ -206,6 +206,8 @@ class MetricsSink:
             f"| tau~ {record['tau_estimate']:.2f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.2f} "
             f"| {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
         )
+        if "eval_tau" in record:
+            line += f" | eval tau {record['eval_tau']:.2f}"
         if record.get("skipped_steps"):
             line += f" | skipped {record['skipped_steps']}"
         if self.bar is not None:

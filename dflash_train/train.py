@@ -241,7 +241,10 @@ class Trainer:
                 sink.progress()
                 stopping = self.track_skips(result, sink)
                 if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping:
-                    sink.log(self.log_record())
+                    record = self.log_record()
+                    if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                        record.update(self.evaluate())
+                    sink.log(record)
                 if stopping:
                     self.stop_on_skips()
                 if self.step % self.cfg.checkpoint.every == 0:
@@ -257,6 +260,17 @@ class Trainer:
         exported = ckpt.export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
         self.log(f"drafter exported to {exported}")
         return exported
+
+    def evaluate(self) -> dict:
+        """tau of the current drafter on the held-out prompts (docs/EVALUATION.md); the
+        evaluation's time is kept out of the next interval's throughput."""
+        from dflash_train.evaluate import TrainingEvaluator
+
+        if getattr(self, "evaluator", None) is None:
+            self.evaluator = TrainingEvaluator(self.cfg.eval, self.cfg.target, self.device)
+        metrics = self.evaluator(self.drafter, self.autocast)
+        self.acc.reset()  # just flushed: only its clock moves
+        return metrics
 
     def track_skips(self, result: StepResult, sink: MetricsSink) -> bool:
         """Count skipped steps; True when the run must stop."""

@@ -1,0 +1,368 @@
+"""tau and speedup of a drafter on prompt sets: `dflash-train eval` and the in-training check.
+
+Owns the prompt sets (MT-Bench, HumanEval, GSM8K from the installed data packages, or a JSONL
+file of {"turns": [...]} records), forming prompts as the DFlash paper's benchmark does (the
+target's chat template with the generation prompt, no system prompt; GSM8K and HumanEval
+wrapped in their instruction; a second turn sees our own first answer), running a set through
+`specdec.speculative_generate`, the speedup over target-only decoding measured in the same
+process, the outputs (JSON, markdown summary, PNG histogram), and the evaluator the trainer
+calls every `eval.every` steps. The in-training evaluator and `dflash-train eval` run the same
+`run_prompt_set`, so an exported drafter evaluated here gives the acceptance lengths training
+reported for the same prompts (exactly, in the same dtype; see docs/EVALUATION.md).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_train import specdec
+from dflash_train.config import PROMPT_SETS
+GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+# --------------------------------------------------------------------------- prompt sets
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    turns: list[str]
+    """User turns, already wrapped in the set's instruction."""
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+    return rows
+
+
+def gsm8k_turn(question: str) -> str:
+    return question + GSM8K_INSTRUCTION
+
+
+def humaneval_turn(prompt: str) -> str:
+    return f"{HUMANEVAL_INSTRUCTION}```python\n{prompt}\n```"
+
+
+def load_prompts(name_or_file: str, limit: int | None = None) -> list[PromptRecord]:
+    """The records of a prompt set (`mt-bench`, `humaneval`, `gsm8k`) or of a JSONL file of
+    {"turns": [str, ...]} records (optional "id"); the first `limit` of them."""
+    from dflash_train import assets
+
+    if name_or_file == "mt-bench":
+        rows = _read_jsonl(assets.mtbench_jsonl())
+        records = [PromptRecord(str(r["question_id"]), list(r["turns"])) for r in rows]
+    elif name_or_file == "humaneval":
+        rows = _read_jsonl(assets.humaneval_jsonl_gz())
+        records = [PromptRecord(r["task_id"], [humaneval_turn(r["prompt"])]) for r in rows]
+    elif name_or_file == "gsm8k":
+        rows = _read_jsonl(assets.gsm8k_jsonl())
+        records = [PromptRecord(f"gsm8k/{i}", [gsm8k_turn(r["question"])]) for i, r in enumerate(rows)]
+    else:
+        path = Path(name_or_file)
+        if not path.is_file():
+            raise ValueError(f"prompts {name_or_file!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
+        records = []
+        for i, r in enumerate(_read_jsonl(path)):
+            turns = r.get("turns") if isinstance(r, dict) else None
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+                raise ValueError(f"{path}: record {i + 1} needs \"turns\": a non-empty list of strings")
+            records.append(PromptRecord(str(r.get("id", i)), turns))
+    if limit is not None:
+        records = records[:limit]
+    if not records:
+        raise ValueError(f"prompts {name_or_file!r}: no records")
+    return records
+
+
+def set_label(name_or_file: str) -> str:
+    """How a set is named in results: the set name, or the file's stem."""
+    return name_or_file if name_or_file in PROMPT_SETS else Path(name_or_file).stem
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ending with a user turn, rendered by the target's chat
+    template with the generation prompt (the template adds any special tokens it wants)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --------------------------------------------------------------------------- running a set
+
+
+@dataclass
+class SetResult:
+    name: str
+    block_size: int
+    prompts: list[dict] = field(default_factory=list)
+    spec_seconds: float = 0.0
+    spec_tokens: int = 0
+    baseline_seconds: float = 0.0
+    baseline_tokens: int = 0
+    mismatched_turns: int = 0
+
+    def turns(self) -> list[list[int]]:
+        return [t for p in self.prompts for t in p["acceptance_lengths"]]
+
+    def summary(self) -> dict:
+        lengths = [n for t in self.turns() for n in t]
+        return {
+            "tau": specdec.turn_mean_tau(self.turns()),
+            "tau_cycles": specdec.mean_acceptance(lengths),
+            "num_prompts": len(self.prompts),
+            "num_turns": len(self.turns()),
+            "num_cycles": len(lengths),
+            "new_tokens": self.spec_tokens,
+            "histogram": specdec.acceptance_histogram(lengths, self.block_size),
+            **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens),
+            "mismatched_turns": self.mismatched_turns if self.baseline_tokens else None,
+        }
+
+
+def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: int) -> dict:
+    """Seconds per token of each decoder and their ratio (None without a baseline)."""
+    if not base_tokens or not spec_tokens:
+        return {"speedup": None, "baseline_s_per_token": None, "spec_s_per_token": spec_s / max(spec_tokens, 1)}
+    base, spec = base_s / base_tokens, spec_s / spec_tokens
+    return {"speedup": base / spec, "baseline_s_per_token": base, "spec_s_per_token": spec}
+
+
+def run_prompt_set(model, tokenizer, proposer, records: list[PromptRecord], *, name: str = "prompts",
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
+                   stop_ids: list[int] | None = None, measure_speedup: bool = False, log=None) -> SetResult:
+    """Speculative decoding of every turn of every record. With `measure_speedup`, each turn is
+    also decoded target-only (same prompt, budget, stop tokens and seed) and both are timed;
+    a turn whose two outputs differ is counted in `mismatched_turns`."""
+    if stop_ids is None:
+        stop_ids = specdec.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    result = SetResult(name, int(proposer.block_size))
+    for i, record in enumerate(records):
+        messages: list[dict[str, str]] = []
+        entry = {"id": record.id, "set": name, "acceptance_lengths": [], "output_ids": []}
+        for turn, text in enumerate(record.turns):
+            messages.append({"role": "user", "content": text})
+            ids = prompt_ids(tokenizer, messages)
+            turn_seed = seed * 1_000_003 + i * 101 + turn
+            gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
+                                               stop_ids=stop_ids, seed=turn_seed)
+            entry["acceptance_lengths"].append(gen.acceptance_lengths)
+            entry["output_ids"].append(gen.output_ids)
+            result.spec_seconds += gen.seconds
+            result.spec_tokens += len(gen.output_ids)
+            if measure_speedup:
+                base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
+                                               stop_ids=stop_ids, seed=turn_seed)
+                result.baseline_seconds += base.seconds
+                result.baseline_tokens += len(base.output_ids)
+                result.mismatched_turns += base.output_ids != gen.output_ids
+            answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+        entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
+        result.prompts.append(entry)
+        if log is not None:
+            log(f"[{name}] {i + 1}/{len(records)} {record.id}: tau {entry['tau']:.2f}")
+    return result
+
+
+def warm_up(model, tokenizer, proposer, stop_ids) -> None:
+    """One short run of each decoder, so the first timed prompt pays no one-off costs."""
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    specdec.target_generate(model, ids, 4, stop_ids=stop_ids)
+    specdec.speculative_generate(model, ids, proposer, 4, stop_ids=stop_ids)
+
+
+def combine(sets: list[SetResult], settings: dict) -> dict:
+    """The JSON document of an evaluation: tau (mean of the sets' taus, as the paper averages
+    benchmarks), per-set summaries, the histogram over all cycles, the overall speedup and
+    every prompt's acceptance lengths and output ids (one list per turn)."""
+    per_set = {s.name: s.summary() for s in sets}
+    block_size = sets[0].block_size
+    lengths = [n for s in sets for t in s.turns() for n in t]
+    taus = [v["tau"] for v in per_set.values() if not math.isnan(v["tau"])]
+    overall = speedup_fields(sum(s.baseline_seconds for s in sets), sum(s.baseline_tokens for s in sets),
+                             sum(s.spec_seconds for s in sets), sum(s.spec_tokens for s in sets))
+    return {
+        "tau": sum(taus) / len(taus) if taus else float("nan"),
+        "per_set": per_set,
+        "histogram": specdec.acceptance_histogram(lengths, block_size),
+        "speedup": overall["speedup"],
+        "block_size": block_size,
+        "settings": settings,
+        "prompts": [p for s in sets for p in s.prompts],
+    }
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def markdown_summary(result: dict) -> str:
+    fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
+    s = result["settings"]
+    lines = [
+        "# DFlash evaluation", "",
+        f"- target: `{s.get('target')}`", f"- drafter: `{s.get('drafter')}`",
+        f"- block size {result['block_size']}, temperature {s.get('temperature')}, "
+        f"max new tokens {s.get('max_new_tokens')}, device {s.get('device')}, dtype {s.get('dtype')}", "",
+        "| set | prompts | turns | cycles | tau | tau (cycles) | speedup | lossless mismatches |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, v in result["per_set"].items():
+        lines.append(
+            f"| {name} | {v['num_prompts']} | {v['num_turns']} | {v['num_cycles']} | {fmt(v['tau'], '.3f')} "
+            f"| {fmt(v['tau_cycles'], '.3f')} | {fmt(v['speedup'], '.2f')} | {fmt(v['mismatched_turns'], 'd')} |"
+        )
+    total = sum(result["histogram"]) or 1
+    speedup = "not measured" if result["speedup"] is None else f"{result['speedup']:.2f}x"
+    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, speedup {speedup} "
+              "(target-only seconds per token / speculative seconds per token, same process)", "",
+              "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
+              ""]
+    return "\n".join(lines)
+
+
+def plot_histogram(histogram: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    total = sum(histogram) or 1
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(range(1, len(histogram) + 1), [c / total for c in histogram], color="#4c72b0")
+    ax.set_xlabel("acceptance length (tokens committed per cycle)")
+    ax.set_ylabel("fraction of cycles")
+    ax.set_xticks(range(1, len(histogram) + 1))
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, output: str | Path) -> list[Path]:
+    """OUTPUT (JSON), OUTPUT with .md (summary) and OUTPUT with .png (histogram)."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    md, png = out.with_suffix(".md"), out.with_suffix(".png")
+    md.write_text(markdown_summary(result))
+    plot_histogram(result["histogram"], png, f"tau {result['tau']:.2f} (block {result['block_size']})")
+    return [out, md, png]
+
+
+# --------------------------------------------------------------------------- loading and the CLI
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA (the published drafters' dtype), float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_target_model(path: str, device: torch.device, dtype: torch.dtype):
+    """The full target (every layer and the lm_head) and its tokenizer, frozen, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.target import resolve_target_path
+
+    folder = resolve_target_path(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder)
+
+
+def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
+             device: str = "auto", dtype: str = "auto", speedup: bool = True, log=print) -> dict:
+    """Load the target and a published-format drafter folder, run every prompt set, return the
+    JSON document of `combine`."""
+    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.train import resolve_device
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
+    model, tokenizer = load_target_model(target, dev, torch_dtype)
+    draft = DFlashDrafter.from_pretrained(drafter, dtype=torch_dtype, device=dev).eval()
+    proposer = specdec.DFlashProposer.for_target(draft, model)
+    stop_ids = specdec.stop_token_ids(tokenizer, model.generation_config)
+    if speedup:
+        warm_up(model, tokenizer, proposer, stop_ids)
+    results = [run_prompt_set(model, tokenizer, proposer, records, name=name, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed, stop_ids=stop_ids, measure_speedup=speedup,
+                              log=log)
+               for name, records in sets]
+    settings = {"target": target, "drafter": str(drafter), "prompts": list(prompts), "limit": limit,
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+                "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "stop_ids": stop_ids}
+    return combine(results, settings)
+
+
+def run_eval(args) -> int:
+    """`dflash-train eval`."""
+    prompts = [p.strip() for item in args.prompts for p in item.split(",") if p.strip()]
+    try:
+        result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
+                          speedup=not args.no_speedup)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"dflash-train eval: {err}", file=sys.stderr)
+        return 2
+    written = write_outputs(result, args.output)
+    print(markdown_summary(result))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+# --------------------------------------------------------------------------- during training
+
+
+class TrainingEvaluator:
+    """tau of the drafter being trained on a small held-out prompt set (config section `eval`).
+    Loads its own full copy of the target once (the trainer's target drops the layers after the
+    last tap), in the trainer's target dtype, on the trainer's device."""
+
+    def __init__(self, eval_cfg, target_cfg, device: torch.device) -> None:
+        self.cfg = eval_cfg
+        self.records = load_prompts(eval_cfg.prompts, eval_cfg.limit)
+        dtype = resolve_dtype(target_cfg.dtype, device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.model, self.tokenizer = load_target_model(target_cfg.path, device, dtype)
+        self.stop_ids = specdec.stop_token_ids(self.tokenizer, self.model.generation_config)
+
+    def __call__(self, drafter, autocast) -> dict:
+        """Metrics of the current weights: eval mode for the call, train mode restored after;
+        no noise (the proposer never adds any) and no gradients (inference mode)."""
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            with autocast:
+                proposer = specdec.DFlashProposer.for_target(drafter, self.model)
+                result = run_prompt_set(self.model, self.tokenizer, proposer, self.records,
+                                        name=set_label(self.cfg.prompts), max_new_tokens=self.cfg.max_new_tokens,
+                                        stop_ids=self.stop_ids)
+        finally:
+            drafter.train(was_training)
+        summary = result.summary()
+        return {
+            "eval_tau": summary["tau"],
+            "eval_tau_cycles": summary["tau_cycles"],
+            "eval_histogram": summary["histogram"],
+            "eval_acceptance_lengths": [p["acceptance_lengths"] for p in result.prompts],
+        }

@@ -1,0 +1,189 @@
+"""Evaluation: prompt sets and prompt forming, multi-turn runs, the JSON / markdown / PNG
+outputs, the `eval` command, the `eval` config section, and train/serve parity (a drafter
+trained a few steps with in-training evaluation, exported, loaded back and evaluated)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_train import evaluate, specdec
+from dflash_train.cli import main
+from dflash_train.config import ConfigError, load_config
+
+TINY = "bundled:tiny-random-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """The bundled tiny target (model, tokenizer) and an untrained drafter exported for it."""
+    from dflash_train.checkpoint import export_drafter
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+
+    model, tokenizer = evaluate.load_target_model(TINY, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    mask = resolve_mask_token_id(tokenizer, model.config.vocab_size)
+    drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=4, num_taps=2,
+                                                 mask_token_id=mask)).eval()
+    folder = export_drafter(drafter, tmp_path_factory.mktemp("drafter") / "drafter", torch.float32)
+    return model, tokenizer, drafter, folder
+
+
+def write_prompts(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# --------------------------------------------------------------------------- prompt sets
+
+
+def test_prompt_sets_are_formed_as_the_paper_forms_them():
+    from dflash_train import assets
+
+    mt = evaluate.load_prompts("mt-bench")
+    assert len(mt) == 80 and all(len(r.turns) == 2 for r in mt)
+    first = json.loads(assets.mtbench_jsonl().read_text().splitlines()[0])
+    assert mt[0].id == "81" and mt[0].turns == first["turns"]  # no wrapper, no system prompt
+
+    he = evaluate.load_prompts("humaneval")
+    assert len(he) == 164 and he[0].id == "HumanEval/0"
+    prompt0 = he[0].turns[0].split("```python\n", 1)[1].removesuffix("\n```")
+    assert he[0].turns == [
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        f"```python\n{prompt0}\n```"
+    ]
+    assert prompt0.startswith("from typing import List\n\n\ndef has_close_elements(")
+
+    gsm = evaluate.load_prompts("gsm8k")
+    assert len(gsm) == 1319
+    assert gsm[0].turns == [
+        "Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+        "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
+        "per fresh duck egg. How much in dollars does she make every day at the farmers' market?"
+        "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    ]
+    assert len(evaluate.load_prompts("gsm8k", limit=3)) == 3
+
+
+def test_prompt_files_and_their_errors(tmp_path):
+    f = write_prompts(tmp_path / "p.jsonl", [{"turns": ["a", "b"]}, {"id": "x", "turns": ["c"]}])
+    records = evaluate.load_prompts(str(f))
+    assert [(r.id, r.turns) for r in records] == [("0", ["a", "b"]), ("x", ["c"])]
+    assert evaluate.set_label(str(f)) == "p"
+    with pytest.raises(ValueError, match="record 1"):
+        evaluate.load_prompts(str(write_prompts(tmp_path / "bad.jsonl", [{"turns": []}])))
+    with pytest.raises(ValueError, match="not one of"):
+        evaluate.load_prompts("no-such-set")
+
+
+def test_prompt_ids_are_the_chat_template_with_generation_prompt(smollm2_tokenizer):
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = evaluate.prompt_ids(smollm2_tokenizer, messages)
+    text = smollm2_tokenizer.decode(ids)
+    assert text == smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+
+
+# --------------------------------------------------------------------------- running sets
+
+
+def test_second_turn_sees_our_first_answer(tiny_setup):
+    model, tokenizer, drafter, _ = tiny_setup
+    proposer = specdec.DFlashProposer.for_target(drafter, model)
+    records = [evaluate.PromptRecord("q", ["Name a colour.", "And another one?"])]
+    result = evaluate.run_prompt_set(model, tokenizer, proposer, records, max_new_tokens=12, measure_speedup=True)
+    entry = result.prompts[0]
+    assert len(entry["acceptance_lengths"]) == len(entry["output_ids"]) == 2
+    assert result.mismatched_turns == 0 and result.baseline_tokens == result.spec_tokens
+    first = entry["output_ids"][0]
+    stop = specdec.stop_token_ids(tokenizer, model.generation_config)
+    answer = tokenizer.decode(first[:-1] if first[-1] in stop else first, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And another one?"}]
+    again = specdec.speculative_generate(model, evaluate.prompt_ids(tokenizer, messages), proposer, 12,
+                                         stop_ids=stop, seed=1)
+    assert again.output_ids == entry["output_ids"][1]
+
+
+def test_combine_reports_the_papers_tau():
+    a = evaluate.SetResult("a", 4, prompts=[{"acceptance_lengths": [[1, 1], [4]]}], spec_seconds=1.0, spec_tokens=10,
+                           baseline_seconds=3.0, baseline_tokens=10)
+    b = evaluate.SetResult("b", 4, prompts=[{"acceptance_lengths": [[2, 2, 2]]}], spec_seconds=1.0, spec_tokens=10,
+                           baseline_seconds=1.0, baseline_tokens=10)
+    doc = evaluate.combine([a, b], {"temperature": 0.0})
+    assert doc["per_set"]["a"]["tau"] == 2.5  # mean of turn means (1 and 4), not of cycles (2)
+    assert doc["per_set"]["a"]["tau_cycles"] == 2.0
+    assert doc["per_set"]["a"]["speedup"] == pytest.approx(3.0) and doc["speedup"] == pytest.approx(2.0)
+    assert doc["tau"] == 2.25
+    assert doc["histogram"] == [2, 3, 0, 1]
+
+
+def test_eval_command_writes_json_markdown_and_png(tiny_setup, tmp_path, capsys):
+    _, _, _, folder = tiny_setup
+    prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]}])
+    out = tmp_path / "res" / "eval.json"
+    rc = main(["eval", "--target", TINY, "--drafter", str(folder), "--prompts", f"{prompts},gsm8k",
+               "--limit", "1", "--max-new-tokens", "10", "--output", str(out), "--device", "cpu"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"tau", "per_set", "histogram", "speedup", "prompts"}
+    assert set(doc["per_set"]) == {"mine", "gsm8k"}
+    assert doc["per_set"]["mine"]["num_prompts"] == 1 and doc["per_set"]["mine"]["num_turns"] == 2
+    assert all(s["mismatched_turns"] == 0 for s in doc["per_set"].values())
+    assert doc["speedup"] > 0 and len(doc["histogram"]) == 4
+    for p in doc["prompts"]:
+        assert set(p) >= {"id", "acceptance_lengths", "output_ids"}
+        for lengths, ids in zip(p["acceptance_lengths"], p["output_ids"]):
+            assert 1 + sum(lengths) == len(ids)
+    assert "| mine | 1 | 2 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tau" in capsys.readouterr().out
+    assert main(["eval", "--target", TINY, "--drafter", str(folder), "--prompts", "nope",
+                 "--output", str(tmp_path / "x.json")]) == 2
+
+
+def test_eval_config_section_is_validated(tmp_path):
+    assert load_config(None).eval.every == 0
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["eval.every=15", "eval.prompts=missing.jsonl", "eval.max_new_tokens=0"])
+    text = str(err.value)
+    assert "multiple of log.every" in text and "eval.prompts" in text and "eval.max_new_tokens" in text
+    cfg = load_config(None, ["eval.every=20", "eval.prompts=gsm8k"])
+    assert cfg.eval.every == 20
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.slow
+def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
+    """Train a few steps with evaluation every 2 steps, export in float32, evaluate the export
+    with `dflash-train eval` in float32: the acceptance lengths per prompt and turn are those
+    of the last in-training evaluation. (With the random tiny target a few steps do not lift
+    acceptance above 1, so this checks the pipeline end to end; that acceptance depends on the
+    drafter's weights exactly as served is checked in test_specdec.py, incremental vs fresh.)"""
+    from dflash_train.train import train
+
+    prompts = write_prompts(tmp_path / "held_out.jsonl",
+                            [{"turns": ["What is a drafter?", "Why?"]}, {"turns": ["Count to ten."]},
+                             {"turns": ["Write a haiku about rain."]}])
+    out = tmp_path / "run"
+    cfg = load_config("configs/tiny.yaml", [
+        f"output_dir={out}", "train.max_steps=6", "log.every=2", "checkpoint.every=6",
+        "eval.every=2", f"eval.prompts={prompts}", "eval.limit=null", "eval.max_new_tokens=24",
+        "checkpoint.export_dtype=float32",
+    ])
+    exported = train(cfg, log=lambda *a: None)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_tau" in r]
+    assert [r["step"] for r in evaluated] == [2, 4, 6]
+    last = evaluated[-1]
+    result = tmp_path / "eval.json"
+    assert main(["eval", "--target", TINY, "--drafter", str(exported), "--prompts", str(prompts),
+                 "--max-new-tokens", "24", "--dtype", "float32", "--device", "cpu", "--no-speedup",
+                 "--output", str(result)]) == 0
+    doc = json.loads(result.read_text())
+    assert [p["acceptance_lengths"] for p in doc["prompts"]] == last["eval_acceptance_lengths"]
+    assert doc["per_set"]["held_out"]["tau"] == pytest.approx(last["eval_tau"])
