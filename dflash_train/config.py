@@ -117,10 +117,10 @@ class TrainSection:
     """Drafter attention: auto = flex on CUDA, sdpa (dense mask) on CPU."""
     compile: bool = False
     """torch.compile the drafter layers."""
-    pack_multiple: int = 256
-    """Packed token counts are padded up to a multiple of this (bounded shapes)."""
     anchor_multiple: int = 64
-    """Anchor counts are padded up to a multiple of this (bounded shapes)."""
+    """Anchor (block) counts per packed row are padded up to this times a power of two, and
+    packed rows to data.token_budget tokens: a handful of shapes to compile, never a new one
+    late in a run."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     num_threads: int | None = None
@@ -422,7 +422,6 @@ def validate(cfg: Config) -> list[str]:
     positive("train.epochs", cfg.train.epochs)
     positive("train.max_steps", cfg.train.max_steps, allow_none=True)
     positive("train.grad_accum", cfg.train.grad_accum)
-    positive("train.pack_multiple", cfg.train.pack_multiple)
     positive("train.anchor_multiple", cfg.train.anchor_multiple)
     positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
     positive("checkpoint.every", cfg.checkpoint.every)

@@ -288,6 +288,12 @@ def _flex_attention(q, k, v, block_mask, scale):
     global _compiled_flex
     if q.device.type == "cuda":
         if _compiled_flex is None:
+            # One compiled kernel per (queries, keys) shape; callers keep shapes to a handful
+            # (see masks.sample_anchors), and a raised limit keeps a long run from ever falling
+            # back to the eager path, which materialises the whole score matrix.
+            import torch._dynamo
+
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     # CPU: the eager flex forward (no backward exists there); used by tests to compare paths.

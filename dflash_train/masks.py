@@ -16,6 +16,7 @@ Q = N*B query rows, KV = T + Q key columns.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +70,7 @@ def sample_anchors(
     num_anchors: int,
     generator: torch.Generator | None = None,
     pad_to_multiple: int = 1,
+    pow2_buckets: bool = False,
 ) -> torch.Tensor:
     """Sample up to `num_anchors` anchors per document, uniformly without replacement, among
     supervised positions whose next position is supervised and in the same document.
@@ -76,7 +78,8 @@ def sample_anchors(
     Sampling is per document (never per row), so short documents packed next to long ones
     keep their share. Returns sorted packed positions [N]; with `pad_to_multiple` > 1 the
     list is padded with -1 (blocks that see nothing but themselves and carry no loss) to a
-    multiple of it, which bounds the set of shapes the drafter is compiled for. A row with no
+    multiple of it; with `pow2_buckets` to `pad_to_multiple` times a power of two, which keeps
+    the set of shapes the drafter and the mask are compiled for to a handful. A row with no
     valid anchor returns padding blocks only.
     """
     if num_anchors < 1:
@@ -100,7 +103,11 @@ def sample_anchors(
     # A row without any valid anchor still yields one (padding) block, so every step has a
     # well-formed, if lossless, drafter forward instead of a zero-length attention.
     multiple = max(1, pad_to_multiple)
-    pad = (-anchors_N.numel()) % multiple if anchors_N.numel() else multiple
+    n = anchors_N.numel()
+    target = max(multiple, -(-n // multiple) * multiple)
+    if pow2_buckets:
+        target = multiple * (1 << max(0, math.ceil(math.log2(target / multiple))))
+    pad = target - n
     if pad:
         anchors_N = torch.cat([anchors_N, anchors_N.new_full((pad,), -1)])
     return anchors_N

@@ -152,18 +152,19 @@ def pack(
     lengths: list[int],
     features_bLF: torch.Tensor,
     greedy_bL: torch.Tensor | None,
-    pad_multiple: int,
+    pad_to: int,
     noise: str,
     noise_std: float,
     generator: torch.Generator | None,
 ) -> Packed:
-    """Drop padding, concatenate rows into one packed row (padded with zeros up to a multiple
-    of `pad_multiple` for bounded shapes), add training noise to the features."""
+    """Drop padding, concatenate rows into one packed row, padded with zeros to `pad_to`
+    tokens (at least the real count; the trainer passes the token budget, so every packed row
+    has one shape), and add training noise to the features."""
     device = features_bLF.device
     b, L, F = features_bLF.shape
     index = pack_index(lengths, L).to(device, non_blocking=True)
     T = index.numel()
-    T_pad = -(-T // pad_multiple) * pad_multiple
+    T_pad = max(T, pad_to)
     feats = torch.zeros(T_pad, F, dtype=features_bLF.dtype, device=device)
     feats[:T] = features_bLF.reshape(b * L, F).index_select(0, index)
     feats = add_feature_noise(feats, noise, noise_std, generator)

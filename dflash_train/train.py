@@ -178,11 +178,11 @@ class Trainer:
         feats, greedy = self.target.capture(ids)
         self.timer.mark("pack")
         packed = self.packer(batch.input_ids, batch.loss_mask, batch.lengths.tolist(), feats, greedy,
-                             pad_multiple=c.train.pack_multiple, noise=c.objective.noise,
+                             pad_to=c.data.token_budget, noise=c.objective.noise,
                              noise_std=c.objective.noise_std, generator=gen)
         self.timer.mark("mask")
         anchors = sample_anchors(packed.loss_mask_T, packed.doc_lengths, c.objective.num_anchors, gen,
-                                 pad_to_multiple=c.train.anchor_multiple)
+                                 pad_to_multiple=c.train.anchor_multiple, pow2_buckets=True)
         layout = build_layout(anchors, packed.loss_mask_T, packed.doc_lengths, self.block_size)
         masks = build_attention_masks(layout, self.drafter.layer_types, self.drafter.config.sliding_window, self.attention)
         self.timer.mark("drafter_forward")

@@ -189,3 +189,16 @@ def test_layout_labels_positions_and_cuts():
     assert labels[0, 1:3].tolist() == [104, 105] and labels[2, 1].tolist() == 108 and labels[2, 3] == 110
     assert layout.rope_block_NB[2].tolist() == [1, 2, 3, 4]
     assert layout.position_ids()[0, :11].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]
+
+
+def test_anchor_counts_fall_in_power_of_two_buckets():
+    gen = torch.Generator().manual_seed(3)
+    seen = set()
+    for case in range(30):
+        lengths, loss_mask = random_packed_row(gen, 1 + case % 6, max_len=60)
+        anchors = sample_anchors(loss_mask, lengths, 20, step_generator(0, case), pad_to_multiple=4, pow2_buckets=True)
+        n = anchors.numel()
+        real = int((anchors >= 0).sum())
+        assert n in (4, 8, 16, 32, 64, 128) and (n == 4 or real > n // 2), (n, real)
+        seen.add(n)
+    assert len(seen) >= 3
