@@ -99,6 +99,7 @@ def sample_anchors(
     rank_T = torch.arange(T, device=device) - starts[doc_T[order_T]]
     chosen_T = torch.zeros_like(valid_T)
     chosen_T[order_T] = valid_T[order_T] & (rank_T < num_anchors)
+    # Host sync (nonzero): the anchor count decides the drafter's shape for this step.
     anchors_N = torch.nonzero(chosen_T).flatten()
     # A row without any valid anchor still yields one (padding) block, so every step has a
     # well-formed, if lossless, drafter forward instead of a zero-length attention.
