@@ -137,7 +137,9 @@ def block_loss(
         correct_NK, valid_NK = correct_NB[:, 1:], valid_NB[:, 1:]
         run_N = accepted_run_length(correct_NK)
         counted_N = valid_NK[:, 0]
-        run_hist = torch.bincount(run_N[counted_N], minlength=block_size)[:block_size]
+        # One-hot sum instead of bincount of a masked selection: no data-dependent shape, so
+        # no host sync on the GPU.
+        run_hist = (torch.nn.functional.one_hot(run_N, block_size) * counted_N[:, None]).sum(0)
         return BlockLossOutput(
             loss_sum=loss_sum,
             weight_sum=row_w_M.sum(),
