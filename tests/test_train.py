@@ -183,3 +183,14 @@ def test_embedded_default_short_run(tmp_path):
     drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert drafter.config.hidden_size == 576 and drafter.target_layer_ids == [15]
     assert len(losses(tmp_path)) == 1 or 2 in losses(tmp_path)
+
+
+@pytest.mark.slow
+def test_compiled_drafter_layers_match_eager(reference_run, tmp_path):
+    """train.compile=true (torch.compile of each drafter layer) trains the same run."""
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=20",
+                     "train.compile=true"]) == 0
+    compiled, eager = losses(tmp_path), losses(reference_run)
+    assert compiled.keys() == eager.keys()
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-3), step
