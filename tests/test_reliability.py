@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from dflash_train import checkpoint as ckpt
@@ -361,3 +363,66 @@ def test_twenty_sigterms_then_identical_losses(tmp_path, capsys):
     assert f"resuming from {out / 'checkpoints' / f'step-{previous}'}" in capsys.readouterr().out
     assert losses(out) == losses(reference), seed_note
     assert len(losses(out)) == total
+
+
+# --------------------------------------------------------------------------- hostile data
+
+_TEXT = st.text(max_size=30)
+_TRICKY = st.sampled_from(["<|im_end|>", "<|im_start|>assistant\n", "{{ raise_exception('x') }}", "{% endfor %}",
+                           "\x00", "\ud800", " \n\t ", "", "\u202e" * 3, "😀" * 40])
+_CONTENT = st.one_of(_TEXT, _TRICKY, st.none(), st.integers(), st.lists(_TEXT, max_size=2))
+_ROLE = st.one_of(st.sampled_from(["user", "assistant", "human", "gpt", "system", "model", "USER", "tool", ""]), _TEXT)
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TEXT,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+                     max_leaves=6)
+_VALID = st.lists(st.tuples(_TEXT.map(lambda s: "q" + s), _TEXT.map(lambda s: "a" + s)), min_size=1, max_size=3).map(
+    lambda pairs: {"conversations": [t for u, a in pairs
+                                     for t in ({"from": "human", "value": u}, {"from": "gpt", "value": a})]})
+_RECORD = st.one_of(
+    _VALID,
+    st.fixed_dictionaries({"conversations": st.lists(st.fixed_dictionaries({"from": _ROLE, "value": _CONTENT}), max_size=4)}),
+    st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({"role": _ROLE, "content": _CONTENT}), max_size=4)},
+                          optional={"conversations": _JSON}),
+    _JSON,
+)
+_LINE = st.one_of(
+    _VALID.map(json.dumps),
+    _RECORD.map(json.dumps),
+    st.tuples(_RECORD.map(json.dumps), st.integers(0, 200)).map(lambda t: t[0][: t[1]]),  # cut short
+    _TEXT,
+).map(lambda s: s.encode("utf-8", "surrogatepass")) | st.binary(max_size=40)
+FUZZ_RECORDS = 10_000
+
+
+@pytest.mark.slow
+def test_ten_thousand_fuzzed_records_prepare_and_train(tmp_path):
+    from dflash_train import data
+    from dflash_train.target import resolve_target_path
+
+    lines: list[bytes] = []
+
+    @settings(max_examples=FUZZ_RECORDS // 20, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(_LINE, min_size=20, max_size=20))
+    def parse_without_crashing(batch):
+        batch = [line.replace(b"\n", b" ") for line in batch]
+        for item, _ in data._iter_json_lines("fuzz", b"\n".join(batch)):
+            if not isinstance(item, data.Skip):
+                data.parse_record(item, "fuzz", 0)
+        lines.extend(batch)
+
+    parse_without_crashing()
+    assert len(lines) >= FUZZ_RECORDS
+    lines = lines[:FUZZ_RECORDS]
+    source = tmp_path / "fuzz.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    prepared = data.prepare([source], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
+                            max_length=256, log=lambda *_: None)
+    report = prepared.report
+    assert report["num_records"] == sum(1 for line in lines if line.strip())
+    assert report["num_samples"] + report["num_skipped"] == report["num_records"]
+    assert report["num_samples"] > 1000 and report["num_skipped"] > 1000, report["skipped_by_reason"]
+    out = tmp_path / "run"
+    assert cli.main(train_args(out, f"data.paths=[{tmp_path / 'prepared'}]", "data.limit=null",
+                               "train.max_steps=3", "checkpoint.every=3")) == 0
+    assert len(losses(out)) == 3 and all(v == v for v in losses(out).values())
