@@ -185,15 +185,18 @@ class Trainer:
             self.faults.target_forward(self.step + 1)
             captured = self.target.capture(batch.input_ids.to(self.device, non_blocking=True))
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.consecutive_failures += 1
-            self.acc.add_failed_batch()
-            self.log(f"step {self.step + 1}: target forward failed on batch of shape "
-                     f"{tuple(batch.input_ids.shape)}: {type(err).__name__}: {err}; batch skipped")
-            return None
-        self.consecutive_failures = 0
-        return captured
+            failure = f"{type(err).__name__}: {err}"
+        else:
+            self.consecutive_failures = 0
+            return captured
+        # Outside the except block: the traceback (and the tensors its frames hold) is gone.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.consecutive_failures += 1
+        self.acc.add_failed_batch()
+        self.log(f"step {self.step + 1}: target forward failed on batch of shape "
+                 f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
+        return None
 
     def forward_micro_batch(self, batch, micro: int) -> BlockLossOutput | None:
         """Target -> pack -> blocks -> drafter -> loss for one micro-batch; None when the target
