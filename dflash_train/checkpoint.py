@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,21 +50,26 @@ def save_checkpoint(
     trainer_state: dict,
     texts: dict[str, str],
     keep: int,
+    halfway: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `step-N/` atomically, then drop all but the newest `keep` checkpoints.
-    `texts` are small text files stored as they are (resolved config, drafter config)."""
+    `texts` are small text files stored as they are (resolved config, drafter config).
+    `halfway(tmp)` runs after the first files are written (fault injection). Temporary folders
+    left by a killed save are removed here; resume never looks at them."""
     from safetensors.torch import save_file
 
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    for stale in root.glob(".tmp-step-*"):  # only one process writes checkpoints
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state.items()}, str(tmp / "drafter.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
+        if halfway is not None:
+            halfway(tmp)
         torch.save(rng_state, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         for name, text in texts.items():
@@ -131,13 +138,30 @@ def find_resumable(output_dir: str | Path, log=print) -> Path | None:
     return None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that must not be loaded."""
+
+
+def _load_tensors(file: Path, device: torch.device | str):
+    """torch.load restricted to tensors and plain containers: a file holding any other object
+    (which unpickling would construct, running its code) is refused."""
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{file}: refused to load: it holds objects other than tensors and plain containers "
+            f"(loaded with torch.load(weights_only=True); this trainer never writes such files). "
+            f"Detail: {str(err).splitlines()[0]}"
+        ) from err
+
+
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
     from safetensors.torch import load_file
 
     return {
         "drafter": load_file(str(path / "drafter.safetensors"), device=str(device)),
-        "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=True),
-        "rng": torch.load(path / "rng.pt", map_location="cpu", weights_only=True),
+        "optimizer": _load_tensors(path / "optimizer.pt", device),
+        "rng": _load_tensors(path / "rng.pt", "cpu"),
         "trainer": json.loads((path / "trainer_state.json").read_text()),
         "drafter_config": json.loads((path / DRAFTER_CONFIG).read_text()),
     }

@@ -39,6 +39,7 @@ def add_train_commands(commands) -> None:
 
 
 def run_train(args) -> int:
+    from dflash_train.checkpoint import CheckpointError
     from dflash_train.config import ConfigError, load_config
     from dflash_train.train import TrainingStopped, train
 
@@ -53,6 +54,9 @@ def run_train(args) -> int:
         return 2
     except TrainingStopped as err:
         print(f"dflash-train train: stopped: {err}", file=sys.stderr)
+        return 1
+    except (CheckpointError, OSError) as err:  # a refused checkpoint file; a save on a full disk
+        print(f"dflash-train train: error: {err}", file=sys.stderr)
         return 1
     return 0
 

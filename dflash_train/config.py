@@ -123,6 +123,9 @@ class TrainSection:
     late in a run."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
+    max_consecutive_batch_failures: int = 5
+    """Stop the run after the target forward failed on this many micro-batches in a row (each
+    failure, e.g. out of memory on an unusual shape, is logged and its micro-batch skipped)."""
     num_threads: int | None = None
     """CPU intra-op threads (default: torch's choice)."""
 
@@ -163,6 +166,31 @@ class EvalSection:
 
 
 @dataclass
+class FaultsSection:
+    """Injected failures, for tests and debugging only; all off by default. Steps are 1-based
+    optimizer steps, as logged."""
+
+    nan_at_steps: list[int] = field(default_factory=list)
+    """Turn the loss of these steps NaN (the non-finite guard must skip them)."""
+    target_error_at_steps: list[int] = field(default_factory=list)
+    """Raise inside the target forward on every micro-batch of these steps."""
+    target_error: Literal["runtime", "oom"] = "runtime"
+    """What the target forward raises: a RuntimeError, or torch.OutOfMemoryError."""
+    delay_at_steps: list[int] = field(default_factory=list)
+    """Sleep delay_seconds after these steps (a slow rank; the hook issue 6's ranks will use)."""
+    delay_seconds: float = 0.0
+    """Length of each injected delay, in seconds."""
+    sigterm_at_steps: list[int] = field(default_factory=list)
+    """Send this process SIGTERM after these steps."""
+    sigterm_in_save_at_steps: list[int] = field(default_factory=list)
+    """Send this process SIGTERM halfway through writing the checkpoint of these steps."""
+    interrupt_save_at_steps: list[int] = field(default_factory=list)
+    """Die (os._exit(137), like kill -9) halfway through writing the checkpoint of these steps."""
+    corrupt_checkpoint_at_steps: list[int] = field(default_factory=list)
+    """After saving the checkpoint of these steps, cut its drafter.safetensors to half."""
+
+
+@dataclass
 class Config:
     output_dir: str = "runs/default"
     """Checkpoints, metrics, the exported drafter and the resolved config go here."""
@@ -175,6 +203,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    faults: FaultsSection = field(default_factory=FaultsSection)
 
 
 # `dflash-train train` without --config: a drafter for the bundled SmolLM2-135M-Instruct on the
@@ -424,6 +453,7 @@ def validate(cfg: Config) -> list[str]:
     positive("train.grad_accum", cfg.train.grad_accum)
     positive("train.anchor_multiple", cfg.train.anchor_multiple)
     positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
+    positive("train.max_consecutive_batch_failures", cfg.train.max_consecutive_batch_failures)
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     positive("log.every", cfg.log.every)
@@ -436,6 +466,11 @@ def validate(cfg: Config) -> list[str]:
     positive("eval.max_new_tokens", cfg.eval.max_new_tokens)
     if cfg.eval.every and cfg.eval.prompts not in PROMPT_SETS and not Path(cfg.eval.prompts).is_file():
         p.append(f"eval.prompts must be mt-bench, humaneval, gsm8k or an existing JSONL file, got {cfg.eval.prompts!r}")
+    for name, value in dataclasses.asdict(cfg.faults).items():
+        if name.endswith("_steps") and any(step < 1 for step in value):
+            p.append(f"faults.{name} must hold optimizer steps >= 1, got {value}")
+    if cfg.faults.delay_seconds < 0:
+        p.append(f"faults.delay_seconds must be >= 0, got {cfg.faults.delay_seconds}")
     if cfg.objective.gamma is None and cfg.drafter.block_size not in (8, 10, 16):
         p.append(
             f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "

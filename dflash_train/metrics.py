@@ -23,7 +23,7 @@ class Accumulator:
 
     FIELDS = ("loss_sum", "weight_sum", "run_sum", "num_blocks", "tokens", "padded_tokens",
               "samples", "rows", "sum_seq_len", "sum_max_seq_len", "micro_batches", "grad_norm_sum",
-              "steps", "skipped")
+              "steps", "skipped", "failed_batches")
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -58,6 +58,9 @@ class Accumulator:
         s["sum_seq_len"] += sum_seq_len
         s["sum_max_seq_len"] += max_seq_len
         s["micro_batches"] += 1
+
+    def add_failed_batch(self) -> None:
+        self.sums["failed_batches"] += 1
 
     def add_step(self, grad_norm: torch.Tensor, skipped: bool) -> None:
         self.sums["steps"] += 1
@@ -109,6 +112,7 @@ class Accumulator:
             "avg_batch_size": s["rows"] / mb,
             "padding_efficiency": s["tokens"] / max(s["padded_tokens"], 1),
             "skipped_steps": int(s["skipped"]),
+            "skipped_batches": int(s["failed_batches"]),
             "interval_s": elapsed,
         }
         self.reset()
@@ -210,6 +214,8 @@ class MetricsSink:
             line += f" | eval tau {record['eval_tau']:.2f}"
         if record.get("skipped_steps"):
             line += f" | skipped {record['skipped_steps']}"
+        if record.get("skipped_batches"):
+            line += f" | failed batches {record['skipped_batches']}"
         if self.bar is not None:
             self.bar.write(line)
         else:

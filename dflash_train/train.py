@@ -3,8 +3,9 @@
 Owns the order of one optimizer step (DESIGN.md): batch -> target -> pack -> anchors/mask ->
 drafter -> loss -> backward -> clip -> step, with gradient accumulation whose loss
 normalisation is exact (gradients of summed losses, divided once by the total weight), and a
-non-finite guard that leaves weights and optimizer state untouched. Logging, checkpoints and
-export live in the outer loop behind plain `step % every == 0` checks.
+non-finite guard that leaves weights and optimizer state untouched, and a guard that skips a
+micro-batch on which the target forward raised (out of memory on an unusual shape). Logging,
+checkpoints and export live in the outer loop behind plain `step % every == 0` checks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from dflash_train import checkpoint as ckpt
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 from dflash_train.metrics import Accumulator, MetricsSink, StageTimer
@@ -27,8 +29,8 @@ from dflash_train.target import SidePacker, Target, load_target, resolve_target_
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped itself (too many non-finite steps); a checkpoint of the last good state
-    was written."""
+    """The run stopped itself (too many non-finite steps or failed target forwards); a
+    checkpoint of the last good state was written."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +116,8 @@ class StepResult:
     loss_sum: torch.Tensor
     grad_norm: torch.Tensor
     applied: bool
+    failed_batches: int = 0
+    """Micro-batches skipped because the target forward raised."""
 
 
 class Trainer:
@@ -164,18 +168,45 @@ class Trainer:
         self.timer = StageTimer(self.device)
         self.acc = Accumulator(self.block_size, self.device)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        self.faults = Faults(cfg.faults)
         self.step = 0
+        self.saved_step = None
         self.consecutive_skips = 0
         self.total_skipped = 0
+        self.consecutive_failures = 0
 
     # ------------------------------------------------------------------- one step
 
-    def forward_micro_batch(self, batch, micro: int) -> BlockLossOutput:
-        """Target -> pack -> blocks -> drafter -> loss for one micro-batch; returns the loss sum."""
+    def capture_target(self, batch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The target's features for one micro-batch, or None when the target forward raised
+        (out of memory on an unusual shape, ...): logged with the batch's shape and counted; the
+        cursor has already moved past the batch, so a resumed run skips it too."""
+        try:
+            self.faults.target_forward(self.step + 1)
+            captured = self.target.capture(batch.input_ids.to(self.device, non_blocking=True))
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            failure = f"{type(err).__name__}: {err}"
+        else:
+            self.consecutive_failures = 0
+            return captured
+        # Outside the except block: the traceback (and the tensors its frames hold) is gone.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.consecutive_failures += 1
+        self.acc.add_failed_batch()
+        self.log(f"step {self.step + 1}: target forward failed on batch of shape "
+                 f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
+        return None
+
+    def forward_micro_batch(self, batch, micro: int) -> BlockLossOutput | None:
+        """Target -> pack -> blocks -> drafter -> loss for one micro-batch; None when the target
+        failed on it (the micro-batch is skipped)."""
         c, gen = self.cfg, step_generator(self.cfg.train.seed, self.step * self.cfg.train.grad_accum + micro, device=self.device)
         self.timer.mark("target")
-        ids = batch.input_ids.to(self.device, non_blocking=True)
-        feats, greedy = self.target.capture(ids)
+        captured = self.capture_target(batch)
+        if captured is None:
+            return None
+        feats, greedy = captured
         self.timer.mark("pack")
         packed = self.packer(batch.input_ids, batch.loss_mask, batch.lengths.tolist(), feats, greedy,
                              pad_to=c.data.token_budget, noise=c.objective.noise,
@@ -192,6 +223,7 @@ class Trainer:
         out = block_loss(hidden.to(self.target.lm_head_weight.dtype), self.target.lm_head_weight,
                          layout.labels(packed.labels_T), layout.valid_NB.flatten(), self.block_size,
                          gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows)
+        out.loss_sum = self.faults.poison_loss(self.step + 1, out.loss_sum)
         self.acc.add_loss(out)
         self.acc.add_batch(packed.num_tokens, batch.input_ids.numel(), batch.batch_size,
                            int(batch.lengths.sum()), batch.max_seq_len)
@@ -199,24 +231,31 @@ class Trainer:
 
     def train_step(self, batches) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches; skipped if anything is non-finite."""
-        loss_sum, weight_sum = 0.0, 0.0
+        loss_sum, weight_sum, failed = 0.0, 0.0, 0
         for micro, batch in enumerate(batches):
             out = self.forward_micro_batch(batch, micro)
+            if out is None:
+                failed += 1
+                continue
             self.timer.mark("backward")
             out.loss_sum.backward()
             loss_sum, weight_sum = loss_sum + out.loss_sum.detach(), weight_sum + out.weight_sum
         self.timer.mark("optimizer")
-        params = [p for p in self.drafter.parameters() if p.grad is not None]
-        # Exact mean over all micro-batches: gradients of the summed loss, divided once.
-        torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
-        finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))  # host sync: the skip decision
+        finite = False
+        if failed == len(batches):  # nothing to learn from: weights and optimizer untouched
+            loss_sum = grad_norm = torch.zeros((), device=self.device)
+        else:
+            params = [p for p in self.drafter.parameters() if p.grad is not None]
+            # Exact mean over all micro-batches: gradients of the summed loss, divided once.
+            torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+            finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))  # host sync: the skip decision
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.timer.mark(None)
-        return StepResult(loss_sum, grad_norm, finite)
+        return StepResult(loss_sum, grad_norm, finite, failed)
 
     # ------------------------------------------------------------------- the loop
 
@@ -228,6 +267,7 @@ class Trainer:
         resumed = ckpt.find_resumable(self.out, log=self.log)
         if resumed is not None:
             self.restore(ckpt.load_checkpoint(resumed, self.device))
+            self.saved_step = self.step
         else:
             self.warm_up()
         sink = MetricsSink(self.out, self.cfg.log, to_dict(self.cfg), self.total_steps, self.step)
@@ -239,19 +279,21 @@ class Trainer:
                 self.step += 1
                 self.acc.add_step(result.grad_norm, skipped=not result.applied)
                 sink.progress()
-                stopping = self.track_skips(result, sink)
+                stopping = self.track_skips(result, sink) or self.too_many_failures()
                 if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping:
                     record = self.log_record()
                     if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                         record.update(self.evaluate())
                     sink.log(record)
                 if stopping:
-                    self.stop_on_skips()
+                    self.stop_on_faults()
                 if self.step % self.cfg.checkpoint.every == 0:
                     self.save()
+                self.faults.after_step(self.step)
             if stop.requested is not None:
                 sink.event(f"{stop.requested} received: saving a checkpoint at step {self.step} and exiting")
-            self.save()
+            if self.saved_step != self.step:
+                self.save()
         finally:
             stop.restore()
             sink.close()
@@ -273,17 +315,30 @@ class Trainer:
         return metrics
 
     def track_skips(self, result: StepResult, sink: MetricsSink) -> bool:
-        """Count skipped steps; True when the run must stop."""
+        """Count non-finite steps; True when the run must stop. A step whose micro-batches all
+        failed in the target forward is counted by `too_many_failures` instead."""
         if result.applied:
             self.consecutive_skips = 0
+            return False
+        if result.failed_batches == self.cfg.train.grad_accum:
             return False
         self.consecutive_skips += 1
         self.total_skipped += 1
         sink.event(f"step {self.step}: non-finite loss or gradient; step skipped, weights untouched")
         return self.consecutive_skips >= self.cfg.train.max_consecutive_skips
 
-    def stop_on_skips(self) -> None:
+    def too_many_failures(self) -> bool:
+        return self.consecutive_failures >= self.cfg.train.max_consecutive_batch_failures
+
+    def stop_on_faults(self) -> None:
         path = self.save()
+        if self.too_many_failures():
+            raise TrainingStopped(
+                f"the target forward failed on {self.consecutive_failures} consecutive micro-batches "
+                f"(limit train.max_consecutive_batch_failures={self.cfg.train.max_consecutive_batch_failures}; "
+                f"each failure is logged above with its batch's shape); the last good state is saved in "
+                f"{path}. If they ran out of memory, lower data.token_budget or data.max_batch_size."
+            )
         raise TrainingStopped(
             f"{self.consecutive_skips} consecutive non-finite steps (limit "
             f"train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}); the last good state "
@@ -323,6 +378,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "total_skipped": self.total_skipped,
+            "consecutive_failures": self.consecutive_failures,
             "accumulator": self.acc.state_dict(),
             "python_rng": list(random.getstate()[1]),
         }
@@ -331,12 +387,15 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.out, self.step, self.drafter.state_dict(), self.optimizer.state_dict(), rng, self.state(),
             texts={"config.yaml": (self.out / "config.yaml").read_text(),
                    ckpt.DRAFTER_CONFIG: self.drafter.config.to_json_string(use_diff=False)},
-            keep=self.cfg.checkpoint.keep,
+            keep=self.cfg.checkpoint.keep, halfway=self.faults.save_hook(self.step),
         )
+        self.saved_step = self.step
+        self.faults.after_save(self.step, path)
+        return path
 
     def restore(self, saved: dict) -> None:
         self.drafter.load_state_dict(saved["drafter"])
@@ -346,6 +405,7 @@ class Trainer:
         self.cursor.load_state_dict(t["cursor"])
         self.scheduler.load_state_dict(t["scheduler"])
         self.consecutive_skips, self.total_skipped = t["consecutive_skips"], t["total_skipped"]
+        self.consecutive_failures = t.get("consecutive_failures", 0)
         self.acc.load_state_dict(t["accumulator"])
         state = random.getstate()
         random.setstate((state[0], tuple(t["python_rng"]), state[2]))
