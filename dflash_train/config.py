@@ -334,8 +334,9 @@ def _build(cls, data: dict, prefix: str, problems: list[str], where):
         before = len(problems)
         converted = _convert(value, hints[key], prefix + key, problems, where)
         # A rejected value keeps its default, so range checks still run on a well-typed tree
-        # and every mistake of a file is reported in one go.
-        if len(problems) == before:
+        # and every mistake of a file is reported in one go. A section is kept even when one
+        # of its keys was rejected: its other fields still get their range checks.
+        if len(problems) == before or (dataclasses.is_dataclass(hints[key]) and converted is not None):
             kwargs[key] = converted
     return cls(**kwargs)
 

@@ -69,3 +69,13 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(CONFIGS / "qwen3-8b.yaml", ["optim.lr=1e-4"])
     dump_yaml(cfg, tmp_path / "resolved.yaml")
     assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+def test_unknown_key_does_not_hide_other_mistakes_of_its_section(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lrr: 1.0\n  lr: -2.0\n  warmup_ratio: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    problems = err.value.problems
+    assert len(problems) == 3
+    assert "optim.lrr" in problems[0] and "optim.lr must be > 0" in problems[1] and "warmup_ratio" in problems[2]
