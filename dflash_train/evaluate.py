@@ -24,6 +24,7 @@ import torch
 
 from dflash_train import specdec
 from dflash_train.config import PROMPT_SETS
+from dflash_train.target import load_target_model, resolve_device, resolve_dtype
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -269,33 +270,14 @@ def write_outputs(result: dict, output: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------- loading and the CLI
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA (the published drafters' dtype), float32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def load_target_model(path: str, device: torch.device, dtype: torch.dtype):
-    """The full target (every layer and the lm_head) and its tokenizer, frozen, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_train.target import resolve_target_path
-
-    folder = resolve_target_path(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder)
-
-
 def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
              device: str = "auto", dtype: str = "auto", speedup: bool = True, log=print) -> dict:
     """Load the target and a published-format drafter folder, run every prompt set, return the
     JSON document of `combine`."""
     from dflash_train.drafter import DFlashDrafter
-    from dflash_train.train import resolve_device
 
-    dev = resolve_device(device)
+    dev = resolve_device(device, setting="--device")
     torch_dtype = resolve_dtype(dtype, dev)
     sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
     model, tokenizer = load_target_model(target, dev, torch_dtype)

@@ -22,7 +22,7 @@ class Accumulator:
     """Sums over a log interval, kept on the device."""
 
     FIELDS = ("loss_sum", "weight_sum", "run_sum", "num_blocks", "tokens", "padded_tokens",
-              "samples", "rows", "sum_seq_len", "sum_max_seq_len", "micro_batches", "grad_norm_sum",
+              "samples", "sum_seq_len", "sum_max_seq_len", "micro_batches", "grad_norm_sum",
               "steps", "skipped", "failed_batches")
 
     def __init__(self, block_size: int, device: torch.device) -> None:
@@ -54,7 +54,6 @@ class Accumulator:
         s["tokens"] += tokens
         s["padded_tokens"] += padded_tokens
         s["samples"] += rows
-        s["rows"] += rows
         s["sum_seq_len"] += sum_seq_len
         s["sum_max_seq_len"] += max_seq_len
         s["micro_batches"] += 1
@@ -107,9 +106,9 @@ class Accumulator:
             "run_histogram": [int(h) for h in hist],
             "tokens_per_s": s["tokens"] / elapsed,
             "samples_per_s": s["samples"] / elapsed,
-            "avg_seq_len": s["sum_seq_len"] / max(s["rows"], 1),
+            "avg_seq_len": s["sum_seq_len"] / max(s["samples"], 1),
             "avg_max_seq_len": s["sum_max_seq_len"] / mb,
-            "avg_batch_size": s["rows"] / mb,
+            "avg_batch_size": s["samples"] / mb,
             "padding_efficiency": s["tokens"] / max(s["padded_tokens"], 1),
             "skipped_steps": int(s["skipped"]),
             "skipped_batches": int(s["failed_batches"]),

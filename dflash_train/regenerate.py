@@ -76,19 +76,20 @@ class Generator:
     """The target and its tokenizer, answering batches of conversations."""
 
     def __init__(self, target, device: str = "auto", model=None, tokenizer=None):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from dflash_train.target import load_target_model, resolve_device
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(target)
+        self.device = resolve_device(device, setting="--device")
+        if model is None:
+            model, loaded_tokenizer = load_target_model(str(target), self.device)
+            tokenizer = tokenizer or loaded_tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"  # generation continues every row at the same column
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if model is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
         self.model = model.to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos_token_id = eos if eos is not None else self.tokenizer.eos_token_id

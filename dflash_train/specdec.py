@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.loss import accepted_run_length
-from dflash_train.target import decoder_layers
+from dflash_train.target import LayerTaps
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: (seed, position) -> distinct seeds
 
@@ -107,37 +107,6 @@ def crop_cache(cache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
     if remove:
         cache.crop(-remove)
-
-
-class LayerTaps:
-    """Forward hooks keeping the outputs of chosen decoder layers (before the final norm: HF
-    `hidden_states[i + 1]` for layer i < L - 1), concatenated in tap order as in training."""
-
-    def __init__(self, model, layer_ids: Sequence[int]) -> None:
-        self.layer_ids = [int(i) for i in layer_ids]
-        self.outputs: dict[int, torch.Tensor] = {}
-        _, layers = decoder_layers(model)
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
-
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def features(self) -> torch.Tensor | None:
-        """[1, T, F] of the last forward, or None when nothing is tapped."""
-        if not self.layer_ids:
-            return None
-        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-
-    def __enter__(self) -> "LayerTaps":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.outputs.clear()
 
 
 def _sync(device: torch.device) -> None:

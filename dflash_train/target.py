@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_train.config import BUNDLED_TARGET, TINY_TARGET
+from dflash_train.config import BUNDLED_TARGET, TINY_TARGET, ConfigError
 from dflash_train.drafter import add_feature_noise
 
 
@@ -44,6 +44,34 @@ def resolve_target_path(path: str) -> Path:
     return p
 
 
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """auto -> cuda when one is visible, else cpu; `setting` names the option in errors."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([f"{setting}=cuda but no CUDA device is visible: use {setting}=auto or cpu"])
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA (the target's and the published drafters' dtype), float32 on CPU."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_target_model(path: str, device: torch.device, dtype: str | torch.dtype = "auto"):
+    """The target (every layer and the lm_head) and its tokenizer: frozen, eval mode, on
+    `device`. Training, evaluation and regeneration all load it here."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_target_path(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder)
+
+
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     """The decoder module of a causal LM and its stack of layers."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -54,6 +82,40 @@ def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
             f"model.get_decoder().layers); this architecture is not supported yet"
         )
     return decoder, layers
+
+
+class LayerTaps:
+    """Forward hooks keeping the outputs of chosen decoder layers (before the final norm: HF
+    `hidden_states[i + 1]` for layer i < L - 1), concatenated in tap order. The one definition
+    of "the target's features", for training capture and speculative decoding alike."""
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.outputs: dict[int, torch.Tensor] = {}
+        _, layers = decoder_layers(model)
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self) -> torch.Tensor | None:
+        """[..., T, F] of the last forward (then forgotten), or None when nothing is tapped."""
+        if not self.layer_ids:
+            return None
+        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return features
+
+    def __enter__(self) -> "LayerTaps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.outputs.clear()
 
 
 @dataclass
@@ -83,35 +145,17 @@ class Target:
         if not need_logits:
             # Nothing after the last tapped layer is ever needed: drop it (time and memory).
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
-        self._taps: dict[int, torch.Tensor] = {}
-        for i in sorted(set(self.layer_ids)):
-            self.decoder.layers[i].register_forward_hook(self._hook(i))
+        self.taps = LayerTaps(model, self.layer_ids)
         self.embed_weight = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         self.lm_head_weight = head.weight if head is not None else self.embed_weight
-
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            self._taps[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_weight.device
-
-    @property
-    def hidden_size(self) -> int:
-        return self.embed_weight.shape[1]
 
     @torch.no_grad()
     def capture(self, input_ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """features [b, L, n*H] of the tapped layers (in tap order), and, when the target was
         built with need_logits, its greedy next-token prediction at every position [b, L]."""
-        self._taps.clear()
         out = self.decoder(input_ids=input_ids_bL, use_cache=False)
-        features = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
-        self._taps.clear()
+        features = self.taps.features()
         greedy = None
         if self.need_logits:
             last = out.last_hidden_state
@@ -128,16 +172,7 @@ class Target:
 
 def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int], need_logits: bool) -> tuple[Target, object]:
     """Load, freeze and wrap the target; returns (Target, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = resolve_target_path(path)
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
-    model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = load_target_model(path, device, dtype)
     return Target(model, layer_ids, need_logits), tokenizer
 
 

@@ -25,20 +25,12 @@ from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 from dflash_train.metrics import Accumulator, MetricsSink, StageTimer
-from dflash_train.target import SidePacker, Target, load_target, resolve_target_path
+from dflash_train.target import SidePacker, load_target, resolve_device, resolve_target_path
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself (too many non-finite steps or failed target forwards); a
     checkpoint of the last good state was written."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(["train.device=cuda but no CUDA device is visible: use train.device=auto or cpu"])
-    return torch.device(name)
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_lr_ratio: float):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from dflash_train.target import load_target_model
 from dflash_train import evaluate, specdec
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, load_config
@@ -22,7 +23,7 @@ def tiny_setup(tmp_path_factory):
     from dflash_train.checkpoint import export_drafter
     from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
 
-    model, tokenizer = evaluate.load_target_model(TINY, torch.device("cpu"), torch.float32)
+    model, tokenizer = load_target_model(TINY, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
     mask = resolve_mask_token_id(tokenizer, model.config.vocab_size)
     drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=4, num_taps=2,

@@ -10,7 +10,8 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
 from dflash_train import specdec
-from dflash_train.specdec import (DFlashProposer, LayerTaps, acceptance_histogram, choose_tokens, crop_cache,
+from dflash_train.target import LayerTaps
+from dflash_train.specdec import (DFlashProposer, acceptance_histogram, choose_tokens, crop_cache,
                                   mean_acceptance, speculative_generate, target_generate, turn_mean_tau)
 
 VOCAB = 128  # tiny_target_config; the tiny drafter's mask token is 127
