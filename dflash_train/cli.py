@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(commands)
     add_data_commands(commands)
     add_eval_command(commands)
+    add_bench_command(commands)
     return parser
 
 
@@ -149,6 +150,34 @@ def add_eval_command(commands) -> None:
                     help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on CPU")
     ev.add_argument("--no-speedup", action="store_true", help="skip the target-only baseline timing")
     ev.set_defaults(func=evaluate.run_eval)
+
+
+def add_bench_command(commands) -> None:
+    from dflash_train import bench
+
+    b = commands.add_parser(
+        "bench", help="time the training step on a synthetic workload: stage times, samples/s, MFU",
+        description="Run the training step (the one `train` runs) on synthetic data with a randomly "
+        "initialised target of a real shape, after warm-up, and print stage times, samples/s, target "
+        "tokens/s, useful-FLOP MFU, GPU idle share and peak memory; the last line is one JSON object. "
+        "See docs/PERFORMANCE.md.",
+    )
+    b.add_argument("--workload", required=True, choices=sorted(bench.WORKLOADS),
+                   help="; ".join(f"{k}: {w.description}" for k, w in bench.WORKLOADS.items()))
+    b.add_argument("--steps", type=int, default=None, metavar="N", help="timed steps (default: the workload's)")
+    b.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="untimed steps first (default: the workload's; paper: one whole epoch)")
+    b.add_argument("--output", default=None, metavar="FILE", help="also write the JSON object here")
+    b.add_argument("--drafter-only", action="store_true",
+                   help="skip the target forward (random features): the drafter step alone")
+    b.add_argument("--profile-steps", type=int, default=3, metavar="N",
+                   help="steps run under torch.profiler after timing for the GPU idle share (CUDA; 0: none)")
+    b.add_argument("--profile", action="store_true",
+                   help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output")
+    b.add_argument("--peak-tflops", type=float, default=None, metavar="X",
+                   help="the chip's dense bf16 peak for MFU when it is not known by name")
+    b.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.compile=true")
+    b.set_defaults(func=bench.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

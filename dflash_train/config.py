@@ -351,12 +351,14 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
     """Defaults <- YAML file <- `section.key=value` overrides (values parsed as YAML).
-    Without a file, the embedded default run is the starting point."""
+    Without a file, `base` (a settings tree; default: the embedded default run) is the
+    starting point."""
     import copy
 
-    tree: dict = copy.deepcopy(EMBEDDED_DEFAULT) if path is None else {}
+    tree: dict = copy.deepcopy(EMBEDDED_DEFAULT if base is None else base) if path is None else {}
     lines: dict[str, int] = {}
     source = "defaults"
     problems: list[str] = []

@@ -154,9 +154,35 @@ class BlockLayout:
         pos_NB = self.block_pos_NB.clamp(0, self.num_ctx - 1)
         return torch.where(self.valid_NB, labels_T[pos_NB], torch.zeros_like(pos_NB)).flatten()
 
+    def visible_pairs(self, sliding_window: int | None = None) -> torch.Tensor:
+        """Visible (query, key) pairs of the real blocks under the mask rule (a device scalar):
+        the attention work a mask-aware kernel must do. Padding blocks are not counted."""
+        real_N = self.anchors_N >= 0
+        offsets_N = torch.where(real_N, self.rope_block_NB[:, 0], torch.zeros_like(self.anchors_N))
+        return visible_pairs(offsets_N, real_N.sum(), self.block_size, sliding_window)
+
     def mask_mod(self, sliding_window: int | None = None) -> MaskMod:
         """The mask rule for this layout (see `block_mask_mod`)."""
         return block_mask_mod(self.doc_T, self.anchors_N, self.anchor_doc_N, self.block_size, sliding_window)
+
+
+def visible_pairs(ctx_offsets_N: torch.Tensor, num_real_blocks, block_size: int,
+                  sliding_window: int | None = None) -> torch.Tensor:
+    """The number of (query, key) pairs `block_mask_mod` allows, counted in closed form.
+
+    `ctx_offsets_N` is, per block, its anchor's offset in its document (a - document start:
+    the number of context keys before the anchor); padding blocks must carry 0 and are
+    excluded by `num_real_blocks`. Row q of a block with offset o sees min(o, W - 1 - q)
+    context keys under a window W (o without one) and its block's B keys (q + 1 under a
+    window: causal). No host sync: the result stays on the offsets' device.
+    """
+    B = block_size
+    offsets_N = ctx_offsets_N.to(torch.long)
+    if sliding_window is None:
+        return B * offsets_N.sum() + num_real_blocks * (B * B)
+    reach_B = (sliding_window - 1 - torch.arange(B, device=offsets_N.device)).clamp(min=0)
+    ctx = torch.minimum(offsets_N[:, None], reach_B[None, :]).sum()
+    return ctx + num_real_blocks * (B * (B + 1) // 2)
 
 
 def build_layout(

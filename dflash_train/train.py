@@ -113,33 +113,43 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log=print) -> None:
+    def __init__(self, cfg: Config, log=print, *, target_config=None, build_target=None, dataset=None) -> None:
+        """Builds the run from `cfg`. Benchmarks (bench.py) replace the target folder and the
+        chat data with `target_config` (a transformers config of the target's shape),
+        `build_target(layer_ids, need_logits) -> Target` and `dataset` (rows of input_ids,
+        loss_mask, length); there is no tokenizer then, so drafter.mask_token_id must be set."""
         from transformers import AutoConfig, AutoTokenizer
 
         from dflash_train.batching import BatchCursor, BatchPlan
 
+        assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.output_dir)
         self.device = resolve_device(cfg.train.device)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         # Everything cheap and checkable first: config errors surface before heavy loading.
-        target_dir = resolve_target_path(cfg.target.path)
-        target_config = AutoConfig.from_pretrained(target_dir)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        target_dir = tokenizer = None
+        if target_config is None:
+            target_dir = resolve_target_path(cfg.target.path)
+            target_config = AutoConfig.from_pretrained(target_dir)
+            tokenizer = AutoTokenizer.from_pretrained(target_dir)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
             drafter = build_drafter(cfg, target_config, tokenizer)
         self.block_size = drafter.block_size
-        self.dataset = load_data(cfg, target_dir, log)
+        self.dataset = load_data(cfg, target_dir, log) if dataset is None else dataset
         plan = BatchPlan(self.dataset["length"], token_budget=cfg.data.token_budget,
                          max_batch_size=cfg.data.max_batch_size, boundaries=cfg.data.bucket_boundaries,
                          num_buckets=cfg.data.num_buckets, seed=cfg.train.seed)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.cursor = BatchCursor(self.dataset, plan, pad_id=pad_id)
         self.plan = plan
-        self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
-                                     need_logits=cfg.objective.labels == "target")
+        if build_target is None:
+            self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
+                                         need_logits=cfg.objective.labels == "target")
+        else:
+            self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
         self.drafter = drafter.to(self.device, torch.float32).train()
         self.attention = cfg.train.attention
         if self.attention == "auto":

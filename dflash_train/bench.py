@@ -1,0 +1,540 @@
+"""Throughput and MFU of the training step on synthetic workloads (`dflash-train bench`).
+
+Owns the benchmark workloads (target and drafter shapes, sample lengths, anchors), the
+synthetic data and the random-initialised target of a real shape they run on, the timing
+protocol (warm-up, then timed steps of `Trainer.train_step`, the same step `train` runs), the
+useful-FLOP count behind MFU, the GPU idle share measured with torch.profiler, and the report
+whose last line is one JSON object. docs/PERFORMANCE.md explains what is counted.
+
+Shape legend: b rows, L padded length, N blocks, B block size, H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_train.config import ConfigError, load_config
+from dflash_train.masks import FULL_ATTENTION, visible_pairs
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+TINY_TARGET = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=512, rms_norm_eps=1e-6,
+    max_position_embeddings=512, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    description: str
+    target: dict
+    """Qwen3Config fields of the random-initialised target."""
+    settings: dict
+    """Config tree the run starts from (then the command line's overrides)."""
+    lengths: tuple[int, int]
+    """Sample lengths are drawn uniformly from [min, max] tokens (fixed when equal)."""
+    num_samples: int
+    """Synthetic samples in one epoch (the data cursor cycles through epochs)."""
+    warmup: int | None
+    """Untimed steps before timing; None: one whole epoch (every batch shape seen once)."""
+    steps: int
+    supervised: float = 0.5
+    """Share of each sample, at its end, that carries loss (the assistant part)."""
+
+
+WORKLOADS: dict[str, Workload] = {
+    "w2": Workload(
+        "Qwen3-8B-shaped target, 5-layer drafter, block 16, 768-token samples (last half "
+        "supervised), 256 anchors per sample",
+        QWEN3_8B,
+        {"drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+         "data": {"max_length": 768, "token_budget": 6144, "bucket_boundaries": [768]},
+         "objective": {"num_anchors": 256}},
+        lengths=(768, 768), num_samples=128, warmup=5, steps=20,
+    ),
+    "paper": Workload(
+        "Qwen3-8B-shaped target, 5-layer drafter, block 16, lengths uniform in 256..3072 "
+        "(last half supervised), 512 anchors per sample, 8 length buckets",
+        QWEN3_8B,
+        {"drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+         "data": {"max_length": 3072, "token_budget": 24576, "num_buckets": 8},
+         "objective": {"num_anchors": 512}},
+        lengths=(256, 3072), num_samples=512, warmup=None, steps=20,
+    ),
+    "tiny": Workload(
+        "CPU-sized: 4-layer hidden-64 target, 2-layer drafter, block 8, lengths 32..128, "
+        "16 anchors per sample (tests)",
+        TINY_TARGET,
+        {"drafter": {"num_layers": 2, "block_size": 8, "num_taps": 2, "mask_token_id": 511},
+         "data": {"max_length": 128, "token_budget": 512, "num_buckets": 2},
+         "objective": {"num_anchors": 16}, "train": {"anchor_multiple": 8}},
+        lengths=(32, 128), num_samples=48, warmup=2, steps=3,
+    ),
+}
+
+# Dense bf16 tensor-core peak (FLOP/s, no sparsity), matched against torch.cuda.get_device_name.
+PEAK_BF16_FLOPS = (("H200", 989.4e12), ("H100 80GB HBM3", 989.4e12), ("A100", 312e12))
+
+
+# --------------------------------------------------------------------------- data and target
+
+
+def synthetic_dataset(workload: Workload, mask_token_id: int, seed: int):
+    """Random token ids (never the mask token) with the workload's lengths; the last
+    `supervised` share of every sample carries loss."""
+    from datasets import Dataset
+
+    rng = np.random.default_rng(seed)
+    low, high = workload.lengths
+    lengths = rng.integers(low, high + 1, workload.num_samples)
+    vocab = min(int(workload.target["vocab_size"]), mask_token_id)
+    ids, masks = [], []
+    for n in lengths.tolist():
+        ids.append(rng.integers(0, vocab, n))
+        mask = np.zeros(n, dtype=bool)
+        mask[n - int(round(n * workload.supervised)):] = True
+        masks.append(mask)
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "length": lengths})
+
+
+def target_config(workload: Workload):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**workload.target)
+
+
+def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int):
+    """`build_target` for the Trainer: a randomly initialised causal LM of `config`'s shape,
+    built directly on `device` in `dtype` (an 8B model in seconds; no weights on disk)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.target import Target
+
+    def build(layer_ids: list[int], need_logits: bool) -> Target:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return Target(model, layer_ids, need_logits)
+
+    return build
+
+
+class RandomFeatureTarget:
+    """The target's stand-in for `--drafter-only`: random features of the tapped width (one
+    tensor per batch shape, made once), random frozen embedding and lm_head; no forward runs."""
+
+    def __init__(self, config, layer_ids: list[int], device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        gen = torch.Generator(device).manual_seed(seed)
+        H, V = int(config.hidden_size), int(config.vocab_size)
+        self.num_features = len(layer_ids) * H
+        self.device, self.dtype, self.gen = device, dtype, gen
+        self.embed_weight = torch.randn(V, H, generator=gen, device=device, dtype=dtype) * 0.02
+        self.lm_head_weight = torch.randn(V, H, generator=gen, device=device, dtype=dtype) * 0.02
+        self.features: dict[tuple, torch.Tensor] = {}
+
+    def capture(self, input_ids_bL: torch.Tensor):
+        shape = tuple(input_ids_bL.shape)
+        if shape not in self.features:
+            self.features[shape] = torch.randn(*shape, self.num_features, generator=self.gen,
+                                               device=self.device, dtype=self.dtype)
+        return self.features[shape], None
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.embed_weight)
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The matmul shape of a decoder layer stack."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> "Shape":
+        heads = int(config.num_attention_heads)
+        return cls(int(config.hidden_size), int(config.intermediate_size), heads,
+                   int(getattr(config, "num_key_value_heads", None) or heads),
+                   int(getattr(config, "head_dim", None) or config.hidden_size // heads), int(config.vocab_size))
+
+    @property
+    def qo_mlp_params(self) -> int:
+        """Weights applied to query tokens only in a drafter layer: q, o, gate, up, down."""
+        return 2 * self.hidden * self.heads * self.head_dim + 3 * self.hidden * self.intermediate
+
+    @property
+    def kv_params(self) -> int:
+        return 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def pair_flops(self) -> int:
+        """FLOPs of one visible (query, key) pair in one layer: QK^T and PV over all heads."""
+        return 4 * self.heads * self.head_dim
+
+
+@dataclass
+class WorkCount:
+    """What the timed steps did, in the units the FLOP formula needs (host numbers)."""
+
+    samples: int = 0
+    sample_lengths: list[int] = field(default_factory=list)  # real tokens of every sample
+    context_tokens: int = 0  # real tokens through the target, the drafter's context
+    padded_tokens: int = 0  # tokens of the padded target batches
+    block_rows: int = 0  # query rows of real (not padding) blocks
+    attention_pairs: int = 0  # visible (query, key) pairs, summed over drafter layers
+    loss_rows: int = 0  # block rows that carry loss (lm_head rows)
+
+
+def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_head: bool,
+                 drafter: Shape, drafter_layers: int, num_taps: int, target_ran: bool = True) -> dict[str, float]:
+    """Useful FLOPs of the counted work, by component (matmuls only; 2 FLOPs per
+    multiply-add). Padding tokens, padding blocks and masked-out attention pairs are not
+    counted; frozen weights get no weight-gradient FLOPs.
+
+    - target_forward: per sample of length l, per layer run, 2 * (qo_mlp + kv params) * l for
+      the linears plus pair_flops * l(l+1)/2 for causal attention; 2 * H * V * l more when the
+      target runs to its lm_head (labels=target).
+    - drafter_forward: fc 2 * (n*H) * H per context token; per layer, q/o/MLP linears on block
+      rows, k/v linears on context + block rows, pair_flops per visible pair.
+    - drafter_backward: twice the forward, except fc: its input (the target's features) needs
+      no gradient, so only its weight gradient (1x) counts.
+    - lm_head: the frozen lm_head forward and its input gradient on loss rows, 4 * H * V each.
+    """
+    t, d = target, drafter
+    lengths = np.asarray(work.sample_lengths, dtype=np.float64)
+    target_fwd = 0.0
+    if target_ran:
+        per_layer = 2.0 * (t.qo_mlp_params + t.kv_params) * lengths.sum() + t.pair_flops * (lengths * (lengths + 1) / 2).sum()
+        target_fwd = target_layers * per_layer + (2.0 * t.hidden * t.vocab * lengths.sum() if target_lm_head else 0.0)
+    fc = 2.0 * num_taps * d.hidden * d.hidden * work.context_tokens
+    layers = drafter_layers * (2.0 * d.qo_mlp_params * work.block_rows
+                               + 2.0 * d.kv_params * (work.context_tokens + work.block_rows))
+    attention = float(d.pair_flops) * work.attention_pairs
+    drafter_fwd = fc + layers + attention
+    return {
+        "target_forward": target_fwd,
+        "drafter_forward": drafter_fwd,
+        "drafter_backward": 2.0 * (layers + attention) + fc,
+        "lm_head": 4.0 * d.hidden * d.vocab * work.loss_rows,
+    }
+
+
+def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
+    """Anchors `masks.sample_anchors` draws for a batch: per sample, min(num_anchors, positions
+    p with p and p + 1 supervised). Host only; used to count real blocks."""
+    total = 0
+    for row, n in zip(loss_mask_bL.numpy(), lengths_b.tolist()):
+        m = row[:n].astype(bool)
+        total += min(num_anchors, int((m[:-1] & m[1:]).sum()))
+    return total
+
+
+class WorkCounter:
+    """Collects a step's work for the FLOP count without adding work to the step: the batches
+    (host tensors) and, through a forward pre-hook on the drafter, views of the rope positions
+    of its block rows, whose first column is each anchor's offset in its document (0 for
+    padding blocks): the context keys its rows see (masks.visible_pairs)."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.offsets: list[torch.Tensor] = []
+        self.batches: list = []
+        self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        features = args[0] if args else kwargs["target_hidden"]
+        position_ids = args[2] if len(args) > 2 else kwargs["position_ids"]
+        self.offsets.append(position_ids[0, features.shape[1]:].view(-1, module.block_size)[:, 0])
+
+    def reset(self) -> None:
+        self.offsets.clear()
+        self.batches.clear()
+
+    def count(self, num_anchors: int, loss_rows: int) -> WorkCount:
+        assert len(self.offsets) == len(self.batches), "one drafter forward per micro-batch"
+        B = self.drafter.block_size
+        config = self.drafter.config
+        kinds = {kind: config.layer_types.count(kind) for kind in set(config.layer_types)}
+        work = WorkCount(loss_rows=loss_rows)
+        pairs = []
+        for batch, offsets_N in zip(self.batches, self.offsets):
+            real = real_anchor_count(batch.loss_mask, batch.lengths, num_anchors)
+            work.samples += batch.batch_size
+            work.sample_lengths += batch.lengths.tolist()
+            work.context_tokens += int(batch.lengths.sum())
+            work.padded_tokens += batch.input_ids.numel()
+            work.block_rows += real * B
+            for kind, num_layers in kinds.items():
+                window = None if kind == FULL_ATTENTION else config.sliding_window
+                pairs.append(num_layers * visible_pairs(offsets_N, real, B, window))
+        work.attention_pairs = int(torch.stack(pairs).sum()) if pairs else 0  # host sync: after timing
+        return work
+
+
+# --------------------------------------------------------------------------- idle share
+
+
+def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Length of the union of `intervals`, clipped to `window`."""
+    start, end = window
+    busy, reach = 0.0, start
+    for s, e in sorted(intervals):
+        s, e = max(s, reach), min(e, end)
+        if e > s:
+            busy += e - s
+            reach = e
+    return busy
+
+
+def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> float:
+    """Share of wall time the GPU runs no kernel and no copy over `steps` steps (from the first
+    launch of the window to the end of its last kernel), measured with torch.profiler; with
+    `summary_path`, also writes the kernels ranked by total device time there."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize(trainer.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("bench_window"):
+            for _ in range(steps):
+                run_step(trainer, counter)
+            torch.cuda.synchronize(trainer.device)
+    events = prof.events()
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    window = next(e for e in events if e.name == "bench_window").time_range
+    span = (window.start, window.end)
+    busy = busy_time([(e.time_range.start, e.time_range.end) for e in device_events], span)
+    if summary_path is not None:
+        totals: dict[str, list[float]] = {}
+        for e in device_events:
+            entry = totals.setdefault(e.name, [0.0, 0])
+            entry[0] += e.time_range.end - e.time_range.start
+            entry[1] += 1
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        device_total = sum(v[0] for v in totals.values()) or 1.0
+        lines = [f"{steps} profiled steps, window {(span[1] - span[0]) / 1e3:.1f} ms, device busy "
+                 f"{busy / 1e3:.1f} ms ({busy / (span[1] - span[0]):.1%})",
+                 f"{'share':>7} {'ms':>10} {'calls':>7}  kernel"]
+        lines += [f"{v[0] / device_total:>7.1%} {v[0] / 1e3:>10.2f} {v[1]:>7}  {name[:160]}" for name, v in ranked[:40]]
+        summary_path.write_text("\n".join(lines) + "\n")
+    return max(0.0, 1.0 - busy / max(span[1] - span[0], 1e-9))
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_step(trainer, counter: WorkCounter):
+    """One optimizer step exactly as `Trainer.run` takes it: next batches, `train_step`."""
+    trainer.timer.mark("data")
+    batches = [next(trainer.cursor) for _ in range(trainer.cfg.train.grad_accum)]
+    counter.batches.extend(batches)
+    result = trainer.train_step(batches)
+    trainer.step += 1
+    return result
+
+
+def peak_flops(device: torch.device, given_tflops: float | None) -> float | None:
+    if given_tflops is not None:
+        return given_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
+              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 3,
+              profile_summary: Path | None = None, peak_tflops: float | None = None, log=print) -> dict:
+    """Build the workload's run, warm it up, time `steps` steps, profile `profile` more (CUDA);
+    returns the report (the JSON object)."""
+    from dflash_train.target import resolve_device, resolve_dtype
+    from dflash_train.train import Trainer
+
+    if workload not in WORKLOADS:
+        raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
+    for name, value in (("--steps", steps), ("--warmup", warmup), ("--profile-steps", profile)):
+        if value is not None and value < (1 if name == "--steps" else 0):
+            raise ConfigError([f"{name} must be >= {1 if name == '--steps' else 0}, got {value}"])
+    wl = WORKLOADS[workload]
+    overrides = list(overrides or [])
+    cfg = load_config(None, overrides, base=wl.settings)
+    if drafter_only and cfg.objective.labels == "target":
+        raise ConfigError(["--drafter-only runs no target, so objective.labels=target has no labels: "
+                           "drop one of the two"])
+    if cfg.drafter.mask_token_id is None:
+        raise ConfigError(["drafter.mask_token_id: synthetic data has no tokenizer to choose a mask token "
+                           f"from; set it (below the target's vocabulary of {wl.target['vocab_size']})"])
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    config = target_config(wl)
+    seed = cfg.train.seed
+    if drafter_only:
+        build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
+    else:
+        build = build_random_target(config, device, dtype, seed)
+    started = time.perf_counter()
+    trainer = Trainer(cfg, log=log, target_config=config, build_target=build,
+                      dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed))
+    counter = WorkCounter(trainer.drafter)
+    log(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {device}")
+    if not drafter_only:
+        trainer.warm_up()
+    num_warmup = warmup if warmup is not None else (wl.warmup if wl.warmup is not None else trainer.plan.num_batches)
+    num_steps = steps or wl.steps
+    started = time.perf_counter()
+    for _ in range(num_warmup):
+        run_step(trainer, counter)
+    _sync(device)
+    log(f"bench {workload}: {num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
+
+    trainer.timer.flush()
+    trainer.acc.reset()
+    counter.reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    graphs_before = _compiled_graphs()
+    applied = 0
+    started = time.perf_counter()
+    for _ in range(num_steps):
+        applied += run_step(trainer, counter).applied
+    _sync(device)
+    wall = time.perf_counter() - started
+    compiles = _compiled_graphs() - graphs_before
+    stage_total = trainer.timer.flush()
+    loss_rows = int(trainer.acc.count_K.sum())  # host sync: after timing
+    trainer.acc.reset()
+    work = counter.count(cfg.objective.num_anchors, loss_rows)
+    if device.type == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    counter.handle.remove()
+
+    idle = None
+    if device.type == "cuda" and profile > 0:
+        counter = WorkCounter(trainer.drafter)
+        idle = profile_steps(trainer, counter, profile, profile_summary)
+        counter.handle.remove()
+
+    d = trainer.drafter
+    tc = config
+    target_layers = tc.num_hidden_layers if cfg.objective.labels == "target" else max(d.target_layer_ids) + 1
+    flops = useful_flops(work, Shape.of(tc), target_layers, cfg.objective.labels == "target", Shape.of(d.config),
+                         d.config.num_hidden_layers, len(d.target_layer_ids), target_ran=not drafter_only)
+    total_flops = sum(flops.values())
+    peak = peak_flops(device, peak_tflops)
+    stage_s = {k: v / num_steps for k, v in stage_total.items()}
+    stage_sum = sum(stage_s.values()) or 1.0
+    samples = work.samples
+    report = {
+        "workload": workload,
+        "drafter_only": drafter_only,
+        "samples_per_s": samples / wall,
+        "ms_per_sample": 1000.0 * wall / max(samples, 1),
+        "target_tokens_per_s": work.context_tokens / wall,
+        "target_padded_tokens_per_s": work.padded_tokens / wall,
+        "step_s": wall / num_steps,
+        "stage_s": stage_s,
+        "stage_share": {k: v / stage_sum for k, v in stage_s.items()},
+        "mfu": total_flops / (wall * peak) if peak else None,
+        "useful_tflops_per_s": total_flops / wall / 1e12,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "flops_per_sample": {**{k: v / max(samples, 1) for k, v in flops.items()}, "total": total_flops / max(samples, 1)},
+        "attention_pairs_per_sample": work.attention_pairs / max(samples, 1),
+        "samples": samples,
+        "samples_per_step": samples / num_steps,
+        "peak_memory_gib": peak_memory,
+        "gpu_idle_share": idle,
+        "steps": num_steps,
+        "warmup_steps": num_warmup,
+        "skipped_steps": num_steps - applied,
+        "compiles_during_timing": compiles,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "overrides": overrides,
+    }
+    return report
+
+
+def format_report(r: dict) -> list[str]:
+    """The human-readable lines printed above the JSON line."""
+    def opt(value, fmt):
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = [
+        f"{r['workload']}{' (drafter only)' if r['drafter_only'] else ''} on {r['device']}, torch "
+        f"{r['torch_version']}: {r['steps']} timed steps after {r['warmup_steps']} warm-up steps, "
+        f"{r['samples_per_step']:.1f} samples per step",
+        f"samples/s {r['samples_per_s']:.2f} ({r['ms_per_sample']:.1f} ms/sample) | target tokens/s "
+        f"{r['target_tokens_per_s']:.0f} (padded {r['target_padded_tokens_per_s']:.0f}) | step {r['step_s']:.3f} s",
+        f"MFU {opt(r['mfu'], '.3f')} ({r['useful_tflops_per_s']:.2f} useful TFLOP/s of {opt(r['peak_tflops'], '.1f')}) "
+        f"| GPU idle {opt(r['gpu_idle_share'], '.3f')} | peak memory {r['peak_memory_gib']:.2f} GiB",
+        "stage             s/step   share",
+    ]
+    lines += [f"  {k:<15} {v:>7.4f}  {r['stage_share'][k]:>6.1%}" for k, v in r["stage_s"].items()]
+    lines.append("useful FLOPs per sample: " + ", ".join(f"{k} {v:.3e}" for k, v in r["flops_per_sample"].items()))
+    if r["skipped_steps"]:
+        lines.append(f"warning: {r['skipped_steps']} timed steps were skipped as non-finite (no optimizer step)")
+    if r["compiles_during_timing"]:
+        lines.append(f"warning: {r['compiles_during_timing']} graphs were compiled during timing: raise --warmup")
+    return lines
+
+
+def run_cli(args) -> int:
+    import sys
+
+    output = Path(args.output) if args.output else None
+    summary = None
+    if args.profile:
+        summary = (output.parent if output else Path(".")) / f"bench-{args.workload}-kernels.txt"
+    try:
+        report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=args.overrides,
+                           drafter_only=args.drafter_only, profile=args.profile_steps, profile_summary=summary,
+                           peak_tflops=args.peak_tflops)
+    except ConfigError as err:
+        print(f"dflash-train bench: {err}", file=sys.stderr)
+        return 2
+    for line in format_report(report):
+        print(line)
+    if summary is not None and summary.exists():
+        print(f"kernel summary written to {summary}")
+    line = json.dumps(report)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(line + "\n")
+    print(line, flush=True)
+    return 0
