@@ -80,8 +80,8 @@ WORKLOADS: dict[str, Workload] = {
         TINY_TARGET,
         {"drafter": {"num_layers": 2, "block_size": 8, "num_taps": 2, "mask_token_id": 511},
          "data": {"max_length": 128, "token_budget": 512, "num_buckets": 2},
-         "objective": {"num_anchors": 16}, "train": {"anchor_multiple": 8}},
-        lengths=(32, 128), num_samples=48, warmup=2, steps=3,
+         "objective": {"num_anchors": 16}, "train": {"anchor_multiple": 8, "num_threads": 1}},
+        lengths=(32, 128), num_samples=48, warmup=2, steps=10,
     ),
 }
 
@@ -373,21 +373,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
-              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 3,
-              profile_summary: Path | None = None, peak_tflops: float | None = None, log=print) -> dict:
-    """Build the workload's run, warm it up, time `steps` steps, profile `profile` more (CUDA);
-    returns the report (the JSON object)."""
+def build_trainer(workload: str, overrides: list[str], drafter_only: bool = False, log=print):
+    """The workload's `Trainer`: its settings plus `overrides`, synthetic data, and a random
+    target of the workload's shape (or random features with `drafter_only`); returns it and
+    the target's transformers config."""
     from dflash_train.target import resolve_device, resolve_dtype
     from dflash_train.train import Trainer
 
     if workload not in WORKLOADS:
         raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
-    for name, value in (("--steps", steps), ("--warmup", warmup), ("--profile-steps", profile)):
-        if value is not None and value < (1 if name == "--steps" else 0):
-            raise ConfigError([f"{name} must be >= {1 if name == '--steps' else 0}, got {value}"])
     wl = WORKLOADS[workload]
-    overrides = list(overrides or [])
     cfg = load_config(None, overrides, base=wl.settings)
     if drafter_only and cfg.objective.labels == "target":
         raise ConfigError(["--drafter-only runs no target, so objective.labels=target has no labels: "
@@ -403,9 +398,26 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
         build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
         build = build_random_target(config, device, dtype, seed)
-    started = time.perf_counter()
     trainer = Trainer(cfg, log=log, target_config=config, build_target=build,
                       dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed))
+    return trainer, config
+
+
+def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
+              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 3,
+              profile_summary: Path | None = None, peak_tflops: float | None = None, log=print) -> dict:
+    """Build the workload's run, warm it up, time `steps` steps, profile `profile` more (CUDA);
+    returns the report (the JSON object)."""
+    if workload not in WORKLOADS:
+        raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
+    for name, value in (("--steps", steps), ("--warmup", warmup), ("--profile-steps", profile)):
+        if value is not None and value < (1 if name == "--steps" else 0):
+            raise ConfigError([f"{name} must be >= {1 if name == '--steps' else 0}, got {value}"])
+    wl = WORKLOADS[workload]
+    overrides = list(overrides or [])
+    started = time.perf_counter()
+    trainer, config = build_trainer(workload, overrides, drafter_only, log)
+    cfg, device = trainer.cfg, trainer.device
     counter = WorkCounter(trainer.drafter)
     log(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {device}")
     if not drafter_only:

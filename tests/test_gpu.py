@@ -81,3 +81,17 @@ def test_chunked_loss_on_gpu_matches_fp32_reference():
     out = block_loss(hidden, weight, labels, valid, B, chunk_rows=128)
     ref = block_loss(hidden.float(), weight.float(), labels, valid, B, chunk_rows=M)
     assert abs(out.loss().item() - ref.loss().item()) / ref.loss().item() < 1e-2
+
+
+def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
+    from dflash_train import bench
+
+    summary = tmp_path / "kernels.txt"
+    for drafter_only in (False, True):
+        report = bench.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=2,
+                                 profile_summary=summary, peak_tflops=100.0, log=lambda *a: None)
+        assert 0.0 <= report["gpu_idle_share"] <= 1.0
+        assert report["mfu"] > 0 and report["samples_per_s"] > 0
+        assert sum(report["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
+        assert (report["flops_per_sample"]["target_forward"] == 0) == drafter_only
+    assert "kernel" in summary.read_text()

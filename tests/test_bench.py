@@ -1,0 +1,136 @@
+"""The benchmark: `dflash-train bench --workload tiny` end to end on CPU, the useful-FLOP formula
+on hand-computed numbers, the visible-pair count against a brute-force count of the mask rule,
+the work counted from a real training step, and the GPU-idle interval union."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_train import bench, cli
+from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
+
+from conftest import random_packed_row
+
+REPORT_KEYS = {"workload", "samples_per_s", "target_tokens_per_s", "stage_s", "stage_share", "mfu",
+               "flops_per_sample", "peak_memory_gib", "gpu_idle_share", "step_s", "steps", "device",
+               "torch_version", "date", "overrides"}
+STAGES = {"data", "target", "pack", "mask", "drafter_forward", "backward", "optimizer"}
+
+
+def test_bench_tiny_prints_one_json_line_last(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--workload", "tiny", "--steps", "2", "--warmup", "1", "--output", str(out),
+                     "objective.noise=none"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert json.loads(out.read_text()) == report
+    assert REPORT_KEYS <= set(report)
+    assert report["workload"] == "tiny" and report["steps"] == 2 and report["warmup_steps"] == 1
+    assert report["overrides"] == ["objective.noise=none"]
+    assert report["samples_per_s"] > 0 and report["target_tokens_per_s"] > 0
+    assert report["target_padded_tokens_per_s"] >= report["target_tokens_per_s"]
+    assert set(report["stage_s"]) == STAGES
+    assert all(v >= 0 for v in report["stage_s"].values())
+    assert sum(report["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
+    # The stages tile the step: their sum is the measured step time (up to clock overhead).
+    assert sum(report["stage_s"].values()) == pytest.approx(report["step_s"], rel=0.05)
+    flops = report["flops_per_sample"]
+    assert {"target_forward", "drafter_forward", "drafter_backward", "lm_head", "total"} <= set(flops)
+    assert all(flops[k] > 0 for k in flops)
+    assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
+    assert report["mfu"] is None and report["gpu_idle_share"] is None  # CPU: no peak, no profiler window
+    assert report["skipped_steps"] == 0 and report["compiles_during_timing"] == 0
+    assert report["peak_memory_gib"] > 0 and report["device"] == "cpu"
+    assert any(line.startswith("samples/s") for line in lines[:-1])
+
+
+def test_bench_refuses_bad_input_naming_the_field(capsys):
+    assert cli.main(["bench", "--workload", "tiny", "drafter.mask_token_id=null"]) == 2
+    assert "drafter.mask_token_id" in capsys.readouterr().err
+    assert cli.main(["bench", "--workload", "tiny", "objective.num_anchors=0"]) == 2
+    assert "objective.num_anchors must be > 0" in capsys.readouterr().err
+    assert cli.main(["bench", "--workload", "tiny", "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert cli.main(["bench", "--workload", "tiny", "--drafter-only", "objective.labels=target"]) == 2
+    assert "--drafter-only" in capsys.readouterr().err
+
+
+def test_useful_flops_on_hand_computed_numbers():
+    shape = bench.Shape(hidden=4, intermediate=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    # q,o: 2 * 4*2*2 = 32; gate, up, down: 3 * 4*6 = 72; k,v: 2 * 4*1*2 = 16; per pair 4*2*2 = 16.
+    assert (shape.qo_mlp_params, shape.kv_params, shape.pair_flops) == (104, 16, 16)
+    work = bench.WorkCount(samples=2, sample_lengths=[2, 3], context_tokens=5, block_rows=8,
+                           attention_pairs=20, loss_rows=6)
+    flops = bench.useful_flops(work, shape, target_layers=3, target_lm_head=False, drafter=shape,
+                               drafter_layers=2, num_taps=3)
+    # target, per layer: linears 2*(104+16)*5 = 1200, causal pairs 16*(3+6) = 144; 3 layers.
+    assert flops["target_forward"] == 3 * (1200 + 144)
+    # drafter: fc 2*(3*4)*4*5 = 480; per layer 2*104*8 + 2*16*(5+8) = 2080, 2 layers; pairs 16*20.
+    assert flops["drafter_forward"] == 480 + 2 * 2080 + 320
+    # backward: twice the layers and attention, fc's weight gradient once.
+    assert flops["drafter_backward"] == 2 * (4160 + 320) + 480
+    assert flops["lm_head"] == 4 * 4 * 10 * 6  # forward + input gradient on 6 loss rows
+    with_head = bench.useful_flops(work, shape, 3, True, shape, 2, 3)
+    assert with_head["target_forward"] == 3 * 1344 + 2 * 4 * 10 * 5
+    assert bench.useful_flops(work, shape, 3, False, shape, 2, 3, target_ran=False)["target_forward"] == 0
+
+
+@pytest.mark.parametrize("window", [None, 5, 12])
+def test_visible_pairs_equal_a_brute_force_count_of_the_mask(window):
+    B = 4
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        lengths, loss_mask = random_packed_row(gen, 4, max_len=20, pad=3)
+        anchors = sample_anchors(loss_mask, lengths, 5, step_generator(seed, 0), pad_to_multiple=8)
+        layout = build_layout(anchors, loss_mask, lengths, B)
+        Q = layout.num_blocks * B
+        mask = dense_mask(layout.mask_mod(window), Q, layout.num_ctx + Q, "cpu")
+        real = int((anchors >= 0).sum())
+        brute = sum(int(mask[q].sum()) for q in range(real * B))  # rows of real blocks only
+        assert int(layout.visible_pairs(window)) == brute, (seed, window)
+
+
+def test_work_counted_from_a_real_step_matches_the_step_itself():
+    """The counter sees only the drafter's inputs and the host batches; compare it with what
+    the step really built: the dense mask (CPU) and the anchors sample_anchors drew."""
+    trainer, _ = bench.build_trainer("tiny", ["objective.noise=none"], log=lambda *a: None)
+    counter = bench.WorkCounter(trainer.drafter)
+    seen = []
+    trainer.drafter.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((args[1].shape[1], kwargs["attention_mask"])), with_kwargs=True)
+    bench.run_step(trainer, counter)
+    loss_rows = int(trainer.acc.count_K.sum())
+    work = counter.count(trainer.cfg.objective.num_anchors, loss_rows)
+    (batch,) = counter.batches
+    B = trainer.block_size
+    real = bench.real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
+    (q_len, masks), = seen
+    dense = masks["full_attention"]
+    assert dense.shape[0] == q_len and q_len >= real * B
+    layers = trainer.drafter.config.num_hidden_layers
+    assert work.attention_pairs == layers * int(dense[: real * B].sum())
+    assert int(dense[real * B:].sum()) == (q_len - real * B) * B  # padding blocks see only themselves
+    assert work.block_rows == real * B and work.samples == batch.batch_size
+    assert work.context_tokens == int(batch.lengths.sum()) and 0 < loss_rows <= real * (B - 1)
+
+
+def test_real_anchor_count_matches_sample_anchors():
+    gen = torch.Generator().manual_seed(3)
+    rows, L = 5, 30
+    lengths = torch.randint(2, L + 1, (rows,), generator=gen)
+    loss_mask = torch.rand(rows, L, generator=gen) < 0.6
+    loss_mask &= torch.arange(L)[None, :] < lengths[:, None]
+    packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)])
+    for k in (1, 3, 50):
+        drawn = sample_anchors(packed, lengths, k, step_generator(0, k), pad_to_multiple=4)
+        assert bench.real_anchor_count(loss_mask, lengths, k) == int((drawn >= 0).sum())
+
+
+def test_busy_time_is_the_union_of_intervals_inside_the_window():
+    assert bench.busy_time([(0, 4), (2, 6), (8, 9), (8.5, 8.7)], (0, 10)) == 7
+    assert bench.busy_time([(-5, 1), (9, 20)], (0, 10)) == 2  # clipped to the window
+    assert bench.busy_time([], (0, 10)) == 0
+    assert bench.busy_time([(3, 4), (1, 2), (1.5, 3.5)], (0, 10)) == 3  # unsorted input
