@@ -116,7 +116,7 @@ def target_config(workload: Workload):
     return Qwen3Config(**workload.target)
 
 
-def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int):
+def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int, compile: bool = False):
     """`build_target` for the Trainer: a randomly initialised causal LM of `config`'s shape,
     built directly on `device` in `dtype` (an 8B model in seconds; no weights on disk)."""
     from transformers import AutoModelForCausalLM
@@ -127,7 +127,7 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: 
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return Target(model, layer_ids, need_logits)
+        return Target(model, layer_ids, need_logits, compile)
 
     return build
 
@@ -320,7 +320,9 @@ def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> fl
                 run_step(trainer, counter)
             torch.cuda.synchronize(trainer.device)
     events = prof.events()
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    # Kernels and copies only: ranges of record_function (and the optimizer's own annotation)
+    # also appear on the device timeline, spanning idle gaps, and must not count as busy.
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     window = next(e for e in events if e.name == "bench_window").time_range
     span = (window.start, window.end)
     busy = busy_time([(e.time_range.start, e.time_range.end) for e in device_events], span)
@@ -397,7 +399,7 @@ def build_trainer(workload: str, overrides: list[str], drafter_only: bool = Fals
     if drafter_only:
         build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
-        build = build_random_target(config, device, dtype, seed)
+        build = build_random_target(config, device, dtype, seed, cfg.target.compile)
     trainer = Trainer(cfg, log=log, target_config=config, build_target=build,
                       dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed))
     return trainer, config

@@ -30,6 +30,9 @@ class TargetSection:
     `bundled:tiny-random-llama` (random weights, SmolLM2 tokenizer: tests and smoke runs)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Target weights: auto = bfloat16 on GPU, float32 on CPU."""
+    compile: bool = False
+    """torch.compile each kept decoder layer of the target (norms, rope and residuals fused; one
+    graph per batch shape, built during warm-up). Layer hooks stay outside the compiled code."""
 
 
 @dataclass

@@ -147,7 +147,7 @@ class Trainer:
         self.plan = plan
         if build_target is None:
             self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
-                                         need_logits=cfg.objective.labels == "target")
+                                         need_logits=cfg.objective.labels == "target", compile=cfg.target.compile)
         else:
             self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
         self.drafter = drafter.to(self.device, torch.float32).train()

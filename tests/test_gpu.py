@@ -90,8 +90,26 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
     for drafter_only in (False, True):
         report = bench.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=2,
                                  profile_summary=summary, peak_tflops=100.0, log=lambda *a: None)
-        assert 0.0 <= report["gpu_idle_share"] <= 1.0
+        # A hidden-64 model is all launch overhead: the GPU must be seen idle most of the time
+        # (annotation ranges spanning the gaps once made this read ~0).
+        assert 0.3 <= report["gpu_idle_share"] <= 1.0
         assert report["mfu"] > 0 and report["samples_per_s"] > 0
         assert sum(report["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
         assert (report["flops_per_sample"]["target_forward"] == 0) == drafter_only
-    assert "kernel" in summary.read_text()
+    text = summary.read_text()
+    assert "kernel" in text and "bench_window" not in text
+
+
+def test_compiled_target_layers_give_the_eager_features():
+    from dflash_train.bench import WORKLOADS, build_random_target, target_config
+
+    config = target_config(WORKLOADS["tiny"])
+    device = torch.device("cuda")
+    eager = build_random_target(config, device, torch.bfloat16, 0, compile=False)([1, 3], False)
+    compiled = build_random_target(config, device, torch.bfloat16, 0, compile=True)([1, 3], False)
+    for shape in ((2, 40), (3, 64), (2, 40)):  # a second shape, then the first again
+        ids = torch.randint(0, 500, shape, device=device)
+        a, _ = eager.capture(ids)
+        b, _ = compiled.capture(ids)
+        assert a.shape == b.shape == (*shape, 2 * config.hidden_size)
+        assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 2e-2
