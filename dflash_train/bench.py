@@ -70,9 +70,9 @@ WORKLOADS: dict[str, Workload] = {
         "(last half supervised), 512 anchors per sample, 8 length buckets",
         QWEN3_8B,
         {"drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
-         "data": {"max_length": 3072, "token_budget": 24576, "num_buckets": 8},
+         "data": {"max_length": 3072, "token_budget": 8192, "max_batch_size": 32, "num_buckets": 8},
          "objective": {"num_anchors": 512}},
-        lengths=(256, 3072), num_samples=512, warmup=None, steps=20,
+        lengths=(256, 3072), num_samples=256, warmup=None, steps=20,
     ),
     "tiny": Workload(
         "CPU-sized: 4-layer hidden-64 target, 2-layer drafter, block 8, lengths 32..128, "
