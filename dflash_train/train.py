@@ -63,7 +63,7 @@ def load_data(cfg: Config, target_dir: Path, log=print):
         prepared = data.prepare(cfg.data.paths, target_dir, out, max_length=cfg.data.max_length,
                                 overlong=cfg.data.overlong, log=log)
     if len(prepared.dataset) == 0:
-        raise ConfigError([f"data.paths: no usable samples (see {prepared.out}/report.json)"])
+        raise ConfigError([f"data.paths: no usable samples (see {prepared.path}/report.json)"])
     return _limit(prepared.dataset, cfg)
 
 

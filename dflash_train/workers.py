@@ -104,5 +104,6 @@ def parallel_map(setup: Callable, setup_args: tuple, work: Callable, items: Iter
                 process.terminate()
         for process in processes:
             process.join()
-        tasks.cancel_join_thread()  # unread items (after a failure) must not block our exit
-        results.cancel_join_thread()
+        for channel in (tasks, results):
+            channel.cancel_join_thread()  # unread items (after a failure) must not block our exit
+            channel.close()
