@@ -22,6 +22,7 @@ from dflash_train.workers import WorkerError
 
 DEFAULT_MAX_NEW_TOKENS = 2048
 CHUNK_BATCHES = 4  # records per written chunk = CHUNK_BATCHES * batch_size
+SHOWN_SKIPS = 20  # skipped records printed by the command (the summary counts them all)
 # The canonical role names written back, per input format.
 OUTPUT_ROLES = {
     "sharegpt": {"system": "system", "user": "human", "assistant": "gpt"},
@@ -275,7 +276,9 @@ def run_regenerate(args) -> int:
     except (DataError, WorkerError) as err:
         print(f"error: {err}")
         return 1
-    for skip in summary["skipped"]:
+    for skip in summary["skipped"][:SHOWN_SKIPS]:
         print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")
+    if len(summary["skipped"]) > SHOWN_SKIPS:
+        print(f"... and {len(summary['skipped']) - SHOWN_SKIPS} more skipped records")
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}))
     return 0
