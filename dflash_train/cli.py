@@ -120,6 +120,9 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--seed", type=int, default=0, help="sampling seed")
     regen.add_argument("--limit", type=int, default=None, metavar="N",
                        help="stop after N more records (the output stays resumable)")
+    regen.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="regenerate chunks in N processes, each with its own target copy (round-robin over "
+                       "visible GPUs with --device cuda); the output equals --workers 1's (default %(default)s)")
     regen.set_defaults(func=regenerate.run_regenerate)
 
 
@@ -148,7 +151,15 @@ def add_eval_command(commands) -> None:
     ev.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ev.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    ev.add_argument("--no-speedup", action="store_true", help="skip the target-only baseline timing")
+    ev.add_argument("--no-speedup", action="store_true",
+                    help="skip the target-only decoding (speedup and losslessness check)")
+    ev.add_argument("--speedup-turns", type=int, default=evaluate.DEFAULT_SPEEDUP_TURNS, metavar="K",
+                    help="the speedup times the first K turns of each set, both decoders in one process with "
+                    "nothing else running (default %(default)s)")
+    ev.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="decode the prompts in N processes, each with its own target and drafter copy "
+                    "(round-robin over visible GPUs with --device cuda); results equal --workers 1's "
+                    "(default %(default)s)")
     ev.set_defaults(func=evaluate.run_eval)
 
 

@@ -112,6 +112,10 @@ class TrainSection:
     epochs: int = 6
     max_steps: int | None = None
     """Stop after this many optimizer steps (default: the end of `epochs`)."""
+    max_time_s: float | None = None
+    """Wall-clock limit in seconds: the run ends (checkpoint, export) at the first step boundary
+    past it, counted from the start of this process's training loop. The learning-rate schedule
+    still follows max_steps (or epochs), so a run cut by time ends before its LR has decayed."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     seed: int = 0
@@ -456,6 +460,7 @@ def validate(cfg: Config) -> list[str]:
     positive("optim.grad_clip", cfg.optim.grad_clip)
     positive("train.epochs", cfg.train.epochs)
     positive("train.max_steps", cfg.train.max_steps, allow_none=True)
+    positive("train.max_time_s", cfg.train.max_time_s, allow_none=True)
     positive("train.grad_accum", cfg.train.grad_accum)
     positive("train.anchor_multiple", cfg.train.anchor_multiple)
     positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)

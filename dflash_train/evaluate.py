@@ -4,8 +4,9 @@ Owns the prompt sets (MT-Bench, HumanEval, GSM8K from the installed data package
 file of {"turns": [...]} records), forming prompts as the DFlash paper's benchmark does (the
 target's chat template with the generation prompt, no system prompt; GSM8K and HumanEval
 wrapped in their instruction; a second turn sees our own first answer), running a set through
-`specdec.speculative_generate`, the speedup over target-only decoding measured in the same
-process, the outputs (JSON, markdown summary, PNG histogram), and the evaluator the trainer
+`specdec.speculative_generate` (in this process, or spread over worker processes), the speedup
+over target-only decoding measured in one uncontended process on the first turns of each set,
+the outputs (JSON, markdown summary, PNG histogram), and the evaluator the trainer
 calls every `eval.every` steps. The in-training evaluator and `dflash-train eval` run the same
 `run_prompt_set`, so an exported drafter evaluated here gives the acceptance lengths training
 reported for the same prompts (exactly, in the same dtype; see docs/EVALUATION.md).
@@ -17,6 +18,7 @@ import gzip
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +27,12 @@ import torch
 from dflash_train import specdec
 from dflash_train.config import PROMPT_SETS
 from dflash_train.target import load_target_model, resolve_device, resolve_dtype
+from dflash_train.workers import WorkerError, parallel_map
+
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_SPEEDUP_TURNS = 10  # per set; each is decoded both ways once more when workers > 1
 
 
 # --------------------------------------------------------------------------- prompt sets
@@ -109,18 +114,54 @@ def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 @dataclass
+class TurnStats:
+    """One turn's decoding: the speculative call, and the target-only call when it was made."""
+
+    spec_seconds: float
+    spec_tokens: int
+    baseline_seconds: float | None = None
+    baseline_tokens: int = 0
+    mismatched: bool = False
+
+
+@dataclass
 class SetResult:
     name: str
     block_size: int
     prompts: list[dict] = field(default_factory=list)
+    new_tokens: int = 0
+    """Speculative output tokens over every turn."""
     spec_seconds: float = 0.0
     spec_tokens: int = 0
     baseline_seconds: float = 0.0
     baseline_tokens: int = 0
+    timed_turns: int = 0
+    """Turns whose two decodings the speedup uses (the first ones of the set); the
+    seconds and tokens above are theirs."""
     mismatched_turns: int = 0
+    checked: bool = False
+    """Whether every turn was also decoded target-only (the losslessness check)."""
 
     def turns(self) -> list[list[int]]:
         return [t for p in self.prompts for t in p["acceptance_lengths"]]
+
+    def add_record(self, entry: dict, turns: list[TurnStats]) -> None:
+        """A decoded record: its entry (acceptance lengths, output ids) and the mismatches."""
+        self.prompts.append(entry)
+        self.new_tokens += sum(t.spec_tokens for t in turns)
+        self.mismatched_turns += sum(t.mismatched for t in turns)
+        self.checked = self.checked or any(t.baseline_seconds is not None for t in turns)
+
+    def add_timings(self, turns: list[TurnStats], limit: int | None) -> None:
+        """Count the timings of `turns` (each decoded both ways) until `limit` turns are timed."""
+        for t in turns:
+            if t.baseline_seconds is None or (limit is not None and self.timed_turns >= limit):
+                return
+            self.spec_seconds += t.spec_seconds
+            self.spec_tokens += t.spec_tokens
+            self.baseline_seconds += t.baseline_seconds
+            self.baseline_tokens += t.baseline_tokens
+            self.timed_turns += 1
 
     def summary(self) -> dict:
         lengths = [n for t in self.turns() for n in t]
@@ -130,53 +171,70 @@ class SetResult:
             "num_prompts": len(self.prompts),
             "num_turns": len(self.turns()),
             "num_cycles": len(lengths),
-            "new_tokens": self.spec_tokens,
+            "new_tokens": self.new_tokens,
             "histogram": specdec.acceptance_histogram(lengths, self.block_size),
             **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens),
-            "mismatched_turns": self.mismatched_turns if self.baseline_tokens else None,
+            "speedup_turns": self.timed_turns,
+            "mismatched_turns": self.mismatched_turns if self.checked else None,
         }
 
 
 def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: int) -> dict:
     """Seconds per token of each decoder and their ratio (None without a baseline)."""
     if not base_tokens or not spec_tokens:
-        return {"speedup": None, "baseline_s_per_token": None, "spec_s_per_token": spec_s / max(spec_tokens, 1)}
+        return {"speedup": None, "baseline_s_per_token": None,
+                "spec_s_per_token": spec_s / spec_tokens if spec_tokens else None}
     base, spec = base_s / base_tokens, spec_s / spec_tokens
     return {"speedup": base / spec, "baseline_s_per_token": base, "spec_s_per_token": spec}
 
 
+def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, *, name: str,
+                  max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
+                  baseline: bool) -> tuple[dict, list[TurnStats]]:
+    """Speculative decoding of every turn of one record (a later turn sees our earlier
+    answers); with `baseline`, each turn is also decoded target-only with the same prompt,
+    budget, stop tokens and seed, and a turn whose two outputs differ is marked mismatched.
+    `index` (the record's place in its set) picks the sampling seeds, so a record decodes the
+    same wherever it runs."""
+    messages: list[dict[str, str]] = []
+    entry = {"id": record.id, "set": name, "acceptance_lengths": [], "output_ids": []}
+    stats: list[TurnStats] = []
+    for turn, text in enumerate(record.turns):
+        messages.append({"role": "user", "content": text})
+        ids = prompt_ids(tokenizer, messages)
+        turn_seed = seed * 1_000_003 + index * 101 + turn
+        gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
+                                           stop_ids=stop_ids, seed=turn_seed)
+        entry["acceptance_lengths"].append(gen.acceptance_lengths)
+        entry["output_ids"].append(gen.output_ids)
+        stat = TurnStats(gen.seconds, len(gen.output_ids))
+        if baseline:
+            base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
+                                           stop_ids=stop_ids, seed=turn_seed)
+            stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
+            stat.mismatched = base.output_ids != gen.output_ids
+        stats.append(stat)
+        answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
+    return entry, stats
+
+
 def run_prompt_set(model, tokenizer, proposer, records: list[PromptRecord], *, name: str = "prompts",
                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
-                   stop_ids: list[int] | None = None, measure_speedup: bool = False, log=None) -> SetResult:
-    """Speculative decoding of every turn of every record. With `measure_speedup`, each turn is
-    also decoded target-only (same prompt, budget, stop tokens and seed) and both are timed;
-    a turn whose two outputs differ is counted in `mismatched_turns`."""
+                   stop_ids: list[int] | None = None, measure_speedup: bool = False,
+                   speedup_turns: int | None = None, log=None) -> SetResult:
+    """Speculative decoding of every turn of every record, in this process. With
+    `measure_speedup`, every turn is also decoded target-only (`mismatched_turns`), and the
+    first `speedup_turns` turns (None: all) are the timed ones of the speedup."""
     if stop_ids is None:
         stop_ids = specdec.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     result = SetResult(name, int(proposer.block_size))
     for i, record in enumerate(records):
-        messages: list[dict[str, str]] = []
-        entry = {"id": record.id, "set": name, "acceptance_lengths": [], "output_ids": []}
-        for turn, text in enumerate(record.turns):
-            messages.append({"role": "user", "content": text})
-            ids = prompt_ids(tokenizer, messages)
-            turn_seed = seed * 1_000_003 + i * 101 + turn
-            gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
-                                               stop_ids=stop_ids, seed=turn_seed)
-            entry["acceptance_lengths"].append(gen.acceptance_lengths)
-            entry["output_ids"].append(gen.output_ids)
-            result.spec_seconds += gen.seconds
-            result.spec_tokens += len(gen.output_ids)
-            if measure_speedup:
-                base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
-                                               stop_ids=stop_ids, seed=turn_seed)
-                result.baseline_seconds += base.seconds
-                result.baseline_tokens += len(base.output_ids)
-                result.mismatched_turns += base.output_ids != gen.output_ids
-            answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
-            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
-        entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
-        result.prompts.append(entry)
+        entry, turns = decode_record(model, tokenizer, proposer, record, i, name=name, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, seed=seed, stop_ids=stop_ids, baseline=measure_speedup)
+        result.add_record(entry, turns)
+        result.add_timings(turns, speedup_turns)
         if log is not None:
             log(f"[{name}] {i + 1}/{len(records)} {record.id}: tau {entry['tau']:.2f}")
     return result
@@ -204,6 +262,7 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
         "per_set": per_set,
         "histogram": specdec.acceptance_histogram(lengths, block_size),
         "speedup": overall["speedup"],
+        "speedup_turns": sum(s.timed_turns for s in sets),
         "block_size": block_size,
         "settings": settings,
         "prompts": [p for s in sets for p in s.prompts],
@@ -232,7 +291,9 @@ def markdown_summary(result: dict) -> str:
     total = sum(result["histogram"]) or 1
     speedup = "not measured" if result["speedup"] is None else f"{result['speedup']:.2f}x"
     lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, speedup {speedup} "
-              "(target-only seconds per token / speculative seconds per token, same process)", "",
+              "(target-only seconds per token / speculative seconds per token, over the first "
+              f"{s.get('speedup_turns')} turns of each set ({result.get('speedup_turns')} in all), both decoded "
+              "in one process with no other decoding running)", "",
               "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
               ""]
     return "\n".join(lines)
@@ -270,30 +331,94 @@ def write_outputs(result: dict, output: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------- loading and the CLI
 
 
-def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
-             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
-             device: str = "auto", dtype: str = "auto", speedup: bool = True, log=print) -> dict:
-    """Load the target and a published-format drafter folder, run every prompt set, return the
-    JSON document of `combine`."""
+def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype):
+    """(target model, tokenizer, DFlashProposer of the drafter folder, stop ids) on `device`."""
     from dflash_train.drafter import DFlashDrafter
 
+    model, tokenizer = load_target_model(target, device, dtype)
+    draft = DFlashDrafter.from_pretrained(drafter, dtype=dtype, device=device).eval()
+    proposer = specdec.DFlashProposer.for_target(draft, model)
+    return model, tokenizer, proposer, specdec.stop_token_ids(tokenizer, model.generation_config)
+
+
+def _worker_setup(device, target: str, drafter: str, dtype: torch.dtype, options: dict):
+    return load_models(target, drafter, device, dtype), options
+
+
+def _worker_decode(state, item) -> tuple[tuple[int, list[int]], dict, list[TurnStats]]:
+    (model, tokenizer, proposer, stop_ids), options = state
+    name, index, record = item
+    entry, turns = decode_record(model, tokenizer, proposer, record, index, name=name, stop_ids=stop_ids, **options)
+    return (int(proposer.block_size), stop_ids), entry, turns
+
+
+def time_first_turns(loaded, sets: list[tuple[str, list[PromptRecord]]], results: list[SetResult],
+                     num_turns: int, options: dict) -> None:
+    """The speedup measurement: the first `num_turns` turns of each set decoded both ways and
+    timed in this process, with nothing else decoding (run after the workers have exited)."""
+    model, tokenizer, proposer, stop_ids = loaded
+    warm_up(model, tokenizer, proposer, stop_ids)
+    for (name, records), result in zip(sets, results):
+        for index, record in enumerate(records):
+            needed = num_turns - result.timed_turns
+            if needed <= 0:
+                break
+            # A turn depends only on the turns before it, so later ones can be left out.
+            part = PromptRecord(record.id, record.turns[:needed])
+            _, turns = decode_record(model, tokenizer, proposer, part, index, name=name, stop_ids=stop_ids,
+                                     **{**options, "baseline": True})
+            result.add_timings(turns, num_turns)
+
+
+def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
+             device: str = "auto", dtype: str = "auto", speedup: bool = True,
+             speedup_turns: int = DEFAULT_SPEEDUP_TURNS, workers: int = 1, log=print) -> dict:
+    """Load the target and a published-format drafter folder, run every prompt set, return the
+    JSON document of `combine`. With `workers` > 1 the records are decoded by that many
+    processes (workers.parallel_map; a record's turns stay together) and the speedup is then
+    measured in this process alone; the results are those of `workers` = 1 except timings."""
+    problems = [f"{flag} must be {need}, got {value}" for flag, value, ok, need in (
+        ("--workers", workers, workers >= 1, ">= 1"),
+        ("--speedup-turns", speedup_turns, speedup_turns >= 0, ">= 0 (0 times no turn)"),
+        ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1")) if not ok]
+    if problems:
+        raise ValueError("; ".join(problems))
     dev = resolve_device(device, setting="--device")
     torch_dtype = resolve_dtype(dtype, dev)
     sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
-    model, tokenizer = load_target_model(target, dev, torch_dtype)
-    draft = DFlashDrafter.from_pretrained(drafter, dtype=torch_dtype, device=dev).eval()
-    proposer = specdec.DFlashProposer.for_target(draft, model)
-    stop_ids = specdec.stop_token_ids(tokenizer, model.generation_config)
-    if speedup:
-        warm_up(model, tokenizer, proposer, stop_ids)
-    results = [run_prompt_set(model, tokenizer, proposer, records, name=name, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed, stop_ids=stop_ids, measure_speedup=speedup,
-                              log=log)
-               for name, records in sets]
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "baseline": speedup}
+    timed = speedup_turns if speedup else 0
+    started = time.perf_counter()
+    if workers == 1:
+        model, tokenizer, proposer, stop_ids = load_models(target, drafter, dev, torch_dtype)
+        if speedup:
+            warm_up(model, tokenizer, proposer, stop_ids)
+        results = [run_prompt_set(model, tokenizer, proposer, records, name=name, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed, stop_ids=stop_ids, measure_speedup=speedup,
+                                  speedup_turns=timed, log=log)
+                   for name, records in sets]
+        decode_s, speedup_s = time.perf_counter() - started, 0.0
+    else:
+        items = [(k, name, i, record) for k, (name, records) in enumerate(sets) for i, record in enumerate(records)]
+        found: dict[int, SetResult] = {}
+        mapped = parallel_map(_worker_setup, (target, drafter, torch_dtype, options), _worker_decode,
+                              [(name, i, record) for _, name, i, record in items], num_workers=workers, device=dev)
+        for (k, name, i, record), ((block_size, stop_ids), entry, turns) in zip(items, mapped):
+            found.setdefault(k, SetResult(name, block_size)).add_record(entry, turns)
+            log(f"[{name}] {i + 1}/{len(sets[k][1])} {record.id}: tau {entry['tau']:.2f}")
+        results = [found[k] for k in range(len(sets))]
+        decode_s = time.perf_counter() - started
+        if timed:
+            time_first_turns(load_models(target, drafter, dev, torch_dtype), sets, results, timed, options)
+        speedup_s = time.perf_counter() - started - decode_s
     settings = {"target": target, "drafter": str(drafter), "prompts": list(prompts), "limit": limit,
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-                "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "stop_ids": stop_ids}
-    return combine(results, settings)
+                "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "stop_ids": stop_ids,
+                "workers": workers, "speedup_turns": timed}
+    doc = combine(results, settings)
+    doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s}
+    return doc
 
 
 def run_eval(args) -> int:
@@ -302,10 +427,13 @@ def run_eval(args) -> int:
     try:
         result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                          speedup=not args.no_speedup)
+                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns, workers=args.workers)
     except (ValueError, FileNotFoundError) as err:
         print(f"dflash-train eval: {err}", file=sys.stderr)
         return 2
+    except WorkerError as err:
+        print(f"dflash-train eval: {err}", file=sys.stderr)
+        return 1
     written = write_outputs(result, args.output)
     print(markdown_summary(result))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -213,12 +213,12 @@ def target_generate(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     logits = model(input_ids=ids_1P, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     out: list[int] = []
     while True:
-        token = int(choose_tokens(logits[0, -1:], [P + len(out)], temperature, seed)[0])  # host sync: stop check
-        out.append(token)
-        if token in stop or len(out) >= max_new_tokens:
+        token_1 = choose_tokens(logits[0, -1:], [P + len(out)], temperature, seed)
+        out.append(int(token_1[0]))  # host sync: the stop check, the one of each token
+        if out[-1] in stop or len(out) >= max_new_tokens:
             break
-        step = torch.tensor([[token]], dtype=torch.long, device=device)
-        logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+        # The chosen token stays on the device as the next input: no host-to-device copy.
+        logits = model(input_ids=token_1[None], past_key_values=cache, use_cache=True).logits
     _sync(device)
     return Generation(out, [], out[-1] in stop, time.perf_counter() - started)
 
@@ -232,28 +232,33 @@ def speculative_generate(model, prompt_ids, proposer: Proposer, max_new_tokens: 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = model.get_input_embeddings().weight.device
-    seq_1S = _prompt_tensor(prompt_ids, device)
-    stop, P, B = set(stop_ids), seq_1S.shape[1], int(proposer.block_size)
+    prompt_1P = _prompt_tensor(prompt_ids, device)
+    stop, P, B = set(stop_ids), prompt_1P.shape[1], int(proposer.block_size)
     out: list[int] = []
     lengths: list[int] = []
     _sync(device)
     started = time.perf_counter()
+    # Committed ids, written on the device as cycles commit them (the proposer sees a view).
+    seq_1S = torch.empty(1, P + max_new_tokens + B, dtype=torch.long, device=device)
+    seq_1S[:, :P] = prompt_1P
     with LayerTaps(model, proposer.target_layer_ids) as taps:
         cache = new_cache(model)
-        logits = model(input_ids=seq_1S, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=prompt_1P, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         context_1TF = taps.features()  # every prompt position: the first cycle's context
-        token = int(choose_tokens(logits[0, -1:], [P], temperature, seed)[0])
-        out.append(token)
+        token_1 = choose_tokens(logits[0, -1:], [P], temperature, seed)
+        seq_1S[0, P:P + 1] = token_1
+        out.append(int(token_1[0]))  # host sync: the first token's stop check
         proposer.reset()
-        while token not in stop and len(out) < max_new_tokens:
+        while out[-1] not in stop and len(out) < max_new_tokens:
             s = P + len(out) - 1  # position of the anchor (the last committed token)
-            seq_1S = torch.cat([seq_1S, torch.tensor([[token]], dtype=torch.long, device=device)], dim=1)
-            proposals = proposer.propose(seq_1S, context_1TF).to(device=device, dtype=torch.long)
-            block_1B = torch.cat([seq_1S[:, -1:], proposals[None]], dim=1)
+            proposals = proposer.propose(seq_1S[:, : s + 1], context_1TF).to(device=device, dtype=torch.long)
+            block_1B = torch.cat([seq_1S[:, s : s + 1], proposals[None]], dim=1)
             logits = model(input_ids=block_1B, past_key_values=cache, use_cache=True).logits
             chosen_B = choose_tokens(logits[0], range(s + 1, s + B + 1), temperature, seed)
-            acc = int(accepted_run_length(proposals == chosen_B[:-1]))  # host sync: cycle length
-            committed = chosen_B[: acc + 1].tolist()  # accepted proposals == target tokens, + bonus
+            acc_1 = accepted_run_length(proposals == chosen_B[:-1]).reshape(1)
+            # The cycle's one host sync: its acceptance count and the target's tokens together.
+            acc, *chosen = torch.cat([acc_1, chosen_B.to(torch.long)]).tolist()
+            committed = chosen[: acc + 1]  # accepted proposals == target tokens, + bonus
             keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
             keep = min(keep, max_new_tokens - len(out))
             out.extend(committed[:keep])
@@ -262,8 +267,7 @@ def speculative_generate(model, prompt_ids, proposer: Proposer, max_new_tokens: 
             crop_cache(cache, s + acc + 1)
             features = taps.features()
             context_1TF = None if features is None else features[:, : acc + 1]
-            seq_1S = torch.cat([seq_1S, chosen_B[None, :acc].to(torch.long)], dim=1)
-            token = out[-1]
+            seq_1S[0, s + 1 : s + acc + 2] = chosen_B[: acc + 1]
     _sync(device)
     return Generation(out, lengths, out[-1] in stop, time.perf_counter() - started)
 

@@ -63,7 +63,7 @@ def load_data(cfg: Config, target_dir: Path, log=print):
         prepared = data.prepare(cfg.data.paths, target_dir, out, max_length=cfg.data.max_length,
                                 overlong=cfg.data.overlong, log=log)
     if len(prepared.dataset) == 0:
-        raise ConfigError([f"data.paths: no usable samples (see {prepared.out}/report.json)"])
+        raise ConfigError([f"data.paths: no usable samples (see {prepared.path}/report.json)"])
     return _limit(prepared.dataset, cfg)
 
 
@@ -274,6 +274,7 @@ class Trainer:
             self.warm_up()
         sink = MetricsSink(self.out, self.cfg.log, to_dict(self.cfg), self.total_steps, self.step)
         stop = ckpt.StopFlag().install()
+        deadline = time.perf_counter() + (self.cfg.train.max_time_s or float("inf"))
         try:
             while self.step < self.total_steps and stop.requested is None:
                 batches = [next(self.cursor) for _ in range(self.cfg.train.grad_accum)]
@@ -282,7 +283,8 @@ class Trainer:
                 self.acc.add_step(result.grad_norm, skipped=not result.applied)
                 sink.progress()
                 stopping = self.track_skips(result, sink) or self.too_many_failures()
-                if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping:
+                out_of_time = time.perf_counter() >= deadline
+                if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping or out_of_time:
                     record = self.log_record()
                     if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                         record.update(self.evaluate())
@@ -292,6 +294,10 @@ class Trainer:
                 if self.step % self.cfg.checkpoint.every == 0:
                     self.save()
                 self.faults.after_step(self.step)
+                if out_of_time and self.step < self.total_steps:
+                    sink.event(f"train.max_time_s={self.cfg.train.max_time_s:g} reached: the run ends at step "
+                               f"{self.step} of {self.total_steps}")
+                    break
             if stop.requested is not None:
                 sink.event(f"{stop.requested} received: saving a checkpoint at step {self.step} and exiting")
             if self.saved_step != self.step:

@@ -188,3 +188,43 @@ def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
     doc = json.loads(result.read_text())
     assert [p["acceptance_lengths"] for p in doc["prompts"]] == last["eval_acceptance_lengths"]
     assert doc["per_set"]["held_out"]["tau"] == pytest.approx(last["eval_tau"])
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def _without_timings(doc: dict) -> dict:
+    timing = {"speedup", "baseline_s_per_token", "spec_s_per_token"}
+    doc = {k: v for k, v in doc.items() if k not in timing | {"wall_s", "settings"}}
+    doc["per_set"] = {name: {k: v for k, v in s.items() if k not in timing} for name, s in doc["per_set"].items()}
+    return doc
+
+
+def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
+    """Records split over 2 processes, merged in prompt order: everything but the timings
+    equals the one-process run; the speedup is measured in the parent on the first turns."""
+    _, _, _, folder = tiny_setup
+    prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]},
+                                                      {"turns": ["Name a fruit.", "Another?"]}, {"turns": ["Hi"]}])
+    run = lambda workers: evaluate.evaluate(TINY, str(folder), [str(prompts), "gsm8k"], limit=3, max_new_tokens=12,
+                                            device="cpu", speedup_turns=3, workers=workers, log=lambda *_: None)
+    one, two = run(1), run(2)
+    assert _without_timings(two) == _without_timings(one)
+    assert [len(p["output_ids"]) for p in two["prompts"]] == [2, 1, 2, 1, 1, 1]
+    for doc in (one, two):
+        assert doc["per_set"]["mine"]["speedup_turns"] == 3 and doc["speedup_turns"] == 6
+        assert doc["speedup"] > 0 and doc["settings"]["speedup_turns"] == 3
+    assert two["settings"]["workers"] == 2 and two["settings"]["stop_ids"] == one["settings"]["stop_ids"]
+
+
+def test_a_failing_worker_fails_the_command(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"turns": ["a"]}, {"turns": ["b"]}])
+    rc = main(["eval", "--target", TINY, "--drafter", str(tmp_path / "no-such-drafter"), "--prompts", str(prompts),
+               "--workers", "2", "--device", "cpu", "--output", str(tmp_path / "e.json")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "worker" in err and "no-such-drafter" in err
+    assert main(["eval", "--target", TINY, "--drafter", "x", "--prompts", str(prompts), "--workers", "0",
+                 "--speedup-turns", "-1", "--output", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--workers must be >= 1" in err and "--speedup-turns must be >= 0" in err

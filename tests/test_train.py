@@ -194,3 +194,24 @@ def test_compiled_drafter_layers_match_eager(reference_run, tmp_path):
     assert compiled.keys() == eager.keys()
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-3), step
+
+
+def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(tmp_path, capsys):
+    """A 3 s pause after step 3 puts the run past train.max_time_s=1: it ends after step 4 at
+    the latest (earlier on a slow machine), saves, exports and says why; the LR schedule is
+    still the one of max_steps=20, so the LR has not decayed to zero."""
+    rc = cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=20",
+                   "train.max_time_s=1.0", "faults.delay_at_steps=[3]", "faults.delay_seconds=3.0",
+                   "checkpoint.every=100"])
+    assert rc == 0
+    curve = losses(tmp_path)
+    last = max(curve)
+    assert 1 <= last <= 4
+    assert (tmp_path / "checkpoints" / f"step-{last}").is_dir()
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    assert f"train.max_time_s=1 reached: the run ends at step {last} of 20" in capsys.readouterr().out
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == last and record["lr"] > 0.5 * load_config(str(TINY)).optim.lr
+    from dflash_train.config import ConfigError
+    with pytest.raises(ConfigError, match="train.max_time_s must be > 0"):
+        load_config(str(TINY), ["train.max_time_s=0"])

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The quality run on one machine: regenerate chats with the target, train a drafter on them,
+# evaluate it on MT-Bench, HumanEval and GSM8K at T=0. Run from the repository root:
+#
+#   scripts/quality_run.sh                                   # one GPU: the full run
+#   TARGET=bundled:tiny-random-llama NUM_RECORDS=4 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 \
+#     EVAL_LIMIT=2 EVAL_MAX_NEW_TOKENS=16 DEVICE=cpu WORKERS=2 OUT=/tmp/qr scripts/quality_run.sh
+#                                                            # CPU smoke test
+#
+# Knobs (environment variables; defaults in brackets):
+#   TARGET [bundled:smollm2-135m-instruct]   target model folder or bundled name
+#   DATA [the bundled ShareGPT JSON]         chat file to regenerate
+#   NUM_RECORDS [2000]                       conversations to regenerate (the output is resumed
+#                                            up to this many; rerunning the script skips done work)
+#   MAX_NEW_TOKENS [512]                     longest regenerated response (a small model's greedy
+#                                            loops otherwise run to the 2048 default)
+#   REGEN_BATCH_SIZE [32]                    prompts per generate call (chunks are 4 batches)
+#   TRAIN_STEPS [4000]  TRAIN_TIME_S [600]   training ends at whichever comes first; the LR
+#                                            schedule follows TRAIN_STEPS
+#   TRAIN_ARGS []                            more section.key=value overrides for `train`
+#   EVAL_LIMIT [200]                         first N records of each prompt set
+#   EVAL_MAX_NEW_TOKENS [256]  SPEEDUP_TURNS [10]
+#   WORKERS [8]                              processes for regeneration and evaluation
+#   DEVICE [auto]  OUT [runs/quality]  PYTHON [.venv/bin/python if present, else python3]
+# The package is run as `python -m dflash_train.cli` with this checkout on PYTHONPATH, so an
+# installed `dflash-train` is not needed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+TARGET="${TARGET:-bundled:smollm2-135m-instruct}"
+NUM_RECORDS="${NUM_RECORDS:-2000}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-512}"
+REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-32}"
+TRAIN_STEPS="${TRAIN_STEPS:-4000}"
+TRAIN_TIME_S="${TRAIN_TIME_S:-600}"
+TRAIN_ARGS="${TRAIN_ARGS:-}"
+EVAL_LIMIT="${EVAL_LIMIT:-200}"
+EVAL_MAX_NEW_TOKENS="${EVAL_MAX_NEW_TOKENS:-256}"
+SPEEDUP_TURNS="${SPEEDUP_TURNS:-10}"
+WORKERS="${WORKERS:-8}"
+DEVICE="${DEVICE:-auto}"
+OUT="${OUT:-runs/quality}"
+DATA="${DATA:-$("$PYTHON" -c 'from dflash_train.assets import sharegpt_json; print(sharegpt_json())')}"
+CLI=("$PYTHON" -m dflash_train.cli)
+mkdir -p "$OUT"
+REGEN="$OUT/regenerated.jsonl"
+
+now() { date +%s.%N; }
+declare -A SECONDS_OF
+stage() {  # stage NAME COMMAND...: run it, print and keep its wall time
+  local name="$1"; shift
+  echo "== $name: $*"
+  local started; started="$(now)"
+  "$@"
+  SECONDS_OF[$name]="$(awk -v a="$started" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')"
+  echo "== $name took ${SECONDS_OF[$name]} s"
+}
+
+# (a) regeneration, resumed up to NUM_RECORDS lines
+have=0
+[[ -f "$REGEN" ]] && have="$(wc -l < "$REGEN")"
+if (( have < NUM_RECORDS )); then
+  stage regenerate "${CLI[@]}" data regenerate --data "$DATA" --target "$TARGET" --out "$REGEN" \
+    --limit "$((NUM_RECORDS - have))" --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH_SIZE" \
+    --workers "$WORKERS" --device "$DEVICE"
+else
+  echo "== regenerate: $REGEN already holds $have records"; SECONDS_OF[regenerate]=0
+fi
+
+# (b) training: the embedded default drafter (block 16) on the regenerated chats
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
+stage train "${CLI[@]}" train --output-dir "$OUT/train" "data.paths=[$REGEN]" "target.path=$TARGET" \
+  "train.max_steps=$TRAIN_STEPS" "train.max_time_s=$TRAIN_TIME_S" "train.device=$DEVICE" \
+  "checkpoint.every=$TRAIN_STEPS" $TRAIN_ARGS
+
+# (c) evaluation at T=0
+stage eval "${CLI[@]}" eval --target "$TARGET" --drafter "$OUT/train/drafter" \
+  --prompts mt-bench,humaneval,gsm8k --limit "$EVAL_LIMIT" --max-new-tokens "$EVAL_MAX_NEW_TOKENS" \
+  --temperature 0 --speedup-turns "$SPEEDUP_TURNS" --workers "$WORKERS" --device "$DEVICE" \
+  --output "$OUT/eval.json"
+
+cat > "$OUT/timings.json" <<JSON
+{"regenerate_s": ${SECONDS_OF[regenerate]}, "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
+ "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "train_steps": $TRAIN_STEPS,
+ "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS,
+ "workers": $WORKERS, "device": "$DEVICE"}
+JSON
+echo "== timings: regenerate ${SECONDS_OF[regenerate]} s, train ${SECONDS_OF[train]} s, eval ${SECONDS_OF[eval]} s"
+echo "== wrote $OUT/eval.json, $OUT/eval.md, $OUT/eval.png, $OUT/timings.json"

@@ -1,0 +1,40 @@
+"""workers.parallel_map: results in item order whatever the finishing order, and a worker that
+dies without a word ends the job instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dflash_train.workers import WorkerError, parallel_map, worker_devices
+
+
+def _setup(device, offset):
+    return offset
+
+
+def _work(offset, item):
+    if item == "die":
+        os._exit(3)  # like a kill -9 or the OOM killer: no exception, no message
+    time.sleep(0.3 if item == 0 else 0.0)  # the first item finishes last
+    return item + offset, os.getpid()
+
+
+def test_results_come_back_in_order_and_a_dead_worker_fails_the_job():
+    results = list(parallel_map(_setup, (100,), _work, range(6), num_workers=2, device=torch.device("cpu")))
+    assert [value for value, _ in results] == [100, 101, 102, 103, 104, 105]
+    assert os.getpid() not in {pid for _, pid in results}
+    started = time.perf_counter()
+    with pytest.raises(WorkerError, match="exit code 3"):
+        list(parallel_map(_setup, (0,), _work, [1, "die", 2, 3], num_workers=2, device=torch.device("cpu")))
+    assert time.perf_counter() - started < 60
+
+
+def test_devices_round_robin_over_gpus_only_for_plain_cuda():
+    assert worker_devices(torch.device("cpu"), 3) == [torch.device("cpu")] * 3
+    assert worker_devices(torch.device("cuda", 1), 2) == [torch.device("cuda", 1)] * 2
+    count = max(1, torch.cuda.device_count())
+    assert worker_devices(torch.device("cuda"), 3) == [torch.device("cuda", w % count) for w in range(3)]
