@@ -198,7 +198,7 @@ class FaultsSection:
     target_error: Literal["runtime", "oom"] = "runtime"
     """What the target forward raises: a RuntimeError, or torch.OutOfMemoryError."""
     delay_at_steps: list[int] = field(default_factory=list)
-    """Sleep delay_seconds after these steps (a slow rank; the hook issue 6's ranks will use)."""
+    """Sleep delay_seconds after these steps (a slow or hung rank, with on_ranks)."""
     delay_seconds: float = 0.0
     """Length of each injected delay, in seconds."""
     sigterm_at_steps: list[int] = field(default_factory=list)

@@ -201,7 +201,8 @@ class Trainer:
         drafter counts it. The data cursor is past the batch, so a resumed run skips it too."""
         try:
             self.faults.target_forward(self.step + 1)
-            captured = self.target.capture(batch.input_ids.to(self.device, non_blocking=True), concat=not self.split)
+            ids = batch.input_ids.to(self.device, non_blocking=True)
+            captured = self.target.capture(ids, concat=False) if self.split else self.target.capture(ids)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             failure = f"{type(err).__name__}: {err}"
         else:
@@ -464,8 +465,10 @@ class Trainer:
         path = self.save()
         self.drain()
         if failures:
+            limit = self.cfg.train.max_consecutive_batch_failures
+            count = self.consecutive_failures if self.too_many_failures() else f"{limit} or more"  # another rank's
             raise TrainingStopped(
-                f"the target forward failed on {self.cfg.train.max_consecutive_batch_failures} or more consecutive "
+                f"the target forward failed on {count} consecutive "
                 f"micro-batches (limit train.max_consecutive_batch_failures="
                 f"{self.cfg.train.max_consecutive_batch_failures}; each failure is logged above with its batch's "
                 f"shape); the last good state is saved in {path}. If they ran out of memory, lower "
