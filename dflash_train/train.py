@@ -355,6 +355,9 @@ class Trainer:
                     self.stop_on_faults(failure_stop)
                 if self.step % self.cfg.checkpoint.every == 0:
                     self.save()
+                    if not signalled:  # a signal during the save stops the run here, saved
+                        signalled = bool(self.dist.agree([stop.requested is not None],
+                                                         f"waiting for the other ranks after the save of step {self.step}")[0])
                 if signalled:
                     break
             if signalled:
@@ -430,6 +433,9 @@ class Trainer:
         stopping = any(flags)
         if step % self.cfg.checkpoint.every == 0 or stopping or step == self.total_steps:
             self.save(step)
+        if step % self.cfg.checkpoint.every == 0 and not stopping:  # the drafters' after-save agreement
+            flags[0] = self.dist.agree([stop.requested is not None], f"waiting for the drafter ranks after the "
+                                       f"save of step {step}")[0]
         if flags[1] or flags[2]:
             return "fault"
         return "signal" if flags[0] else None
