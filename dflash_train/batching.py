@@ -158,6 +158,42 @@ def collate(dataset, indices: np.ndarray, length: int, pad_id: int):
     return input_ids_BL, loss_mask_BL, lengths_B
 
 
+class BatchStream:
+    """The endless stream of batches that a run consumes: batch g is batch g % n of epoch
+    g // n (n = plan.num_batches). Which rank makes and which trains batch g is decided
+    elsewhere (dist.Assignment); the data cursor of a run is the next global index, so resuming
+    means continuing from an integer."""
+
+    def __init__(self, dataset, plan: BatchPlan, pad_id: int = 0):
+        if len(dataset) != len(plan.lengths):
+            raise ValueError(f"the plan covers {len(plan.lengths)} samples but the dataset has {len(dataset)}; "
+                             "build the plan from this dataset's `length` column")
+        self.dataset, self.plan, self.pad_id = dataset, plan, pad_id
+
+    def epoch_of(self, g: int) -> int:
+        return g // self.plan.num_batches
+
+    def __getitem__(self, g: int) -> Batch:
+        epoch, index = divmod(g, self.plan.num_batches)
+        indices = self.plan.epoch(epoch)[index]
+        input_ids, loss_mask, lengths = collate(self.dataset, indices, self.plan.length_of(indices), self.pad_id)
+        return Batch(input_ids, loss_mask, lengths, [int(i) for i in indices], index, epoch)
+
+    def identity(self) -> dict[str, Any]:
+        """What a saved cursor must match to mean the same batches."""
+        plan = self.plan
+        return {"seed": plan.seed, "num_samples": int(plan.lengths.size), "boundaries": list(plan.boundaries),
+                "token_budget": plan.token_budget, "max_batch_size": plan.max_batch_size}
+
+    def check_state(self, state: dict[str, Any]) -> int:
+        """The next global index of a saved cursor, after checking it was saved for this plan."""
+        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self.identity().items() if state.get(k) != v]
+        if differ:
+            raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
+                             "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
+        return int(state["next_index"])
+
+
 class BatchCursor:
     """This producer's batches, epoch after epoch, without end. `position` counts the batch
     indices of the current epoch already passed; state_dict()/load_state_dict() carry it, so

@@ -347,10 +347,14 @@ def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> fl
 
 def run_step(trainer, counter: WorkCounter):
     """One optimizer step exactly as `Trainer.run` takes it: next batches, `train_step`."""
-    trainer.timer.mark("data")
-    batches = [next(trainer.cursor) for _ in range(trainer.cfg.train.grad_accum)]
-    counter.batches.extend(batches)
-    result = trainer.train_step(batches)
+    def micro_batches():  # Trainer.micro_batches (colocated), keeping each host batch for the count
+        for index in trainer.assign.consumed(trainer.step, trainer.dist.drafter_index):
+            trainer.timer.mark("data")
+            batch = trainer.stream[index]
+            counter.batches.append(batch)
+            yield trainer.produce(index, batch)
+
+    result = trainer.train_step(micro_batches())
     trainer.step += 1
     return result
 

@@ -51,26 +51,30 @@ def save_checkpoint(
     texts: dict[str, str],
     keep: int,
     halfway: Callable[[Path], None] | None = None,
+    tmp: Path | None = None,
 ) -> Path:
     """Write `step-N/` atomically, then drop all but the newest `keep` checkpoints.
     `texts` are small text files stored as they are (resolved config, drafter config).
     `halfway(tmp)` runs after the first files are written (fault injection). Temporary folders
-    left by a killed save are removed here; resume never looks at them."""
+    left by a killed save are removed here; resume never looks at them. `tmp` is a shared
+    temporary folder (`begin_shared`) that already holds every rank's own state files."""
     from safetensors.torch import save_file
 
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
-    tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    for stale in root.glob(".tmp-step-*"):  # only one process writes checkpoints
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
+    if tmp is None:
+        tmp = root / f".tmp-step-{step}-{os.getpid()}"
+        for stale in root.glob(".tmp-step-*"):  # only one process writes checkpoints
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state.items()}, str(tmp / "drafter.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
         if halfway is not None:
             halfway(tmp)
-        torch.save(rng_state, tmp / "rng.pt")
+        if rng_state is not None:  # several ranks: each rank's rank-R.pt holds its own
+            torch.save(rng_state, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         for name, text in texts.items():
             (tmp / name).write_text(text)
@@ -94,6 +98,39 @@ def save_checkpoint(
     for old in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def shared_tmp(output_dir: str | Path, step: int) -> Path:
+    """The temporary folder all ranks of a multi-process run write step `step` into."""
+    return checkpoint_root(output_dir) / f".tmp-step-{step}-shared"
+
+
+def begin_shared(output_dir: str | Path, step: int) -> Path:
+    """Called by the writing rank before the others write their own files into it."""
+    root = checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = shared_tmp(output_dir, step)
+    tmp.mkdir()
+    return tmp
+
+
+def write_rank_state(tmp: Path, rank: int, rng_state: dict[str, torch.Tensor], state: dict) -> None:
+    """What one rank alone holds (RNG states, its cursor, its interval sums): rank-R.pt/.json."""
+    torch.save(rng_state, tmp / f"rank-{rank}.pt")
+    (tmp / f"rank-{rank}.json").write_text(json.dumps(state, indent=1))
+    for name in (f"rank-{rank}.pt", f"rank-{rank}.json"):
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def load_rank_state(path: Path, rank: int) -> tuple[dict, dict]:
+    """(rng, state) that rank `rank` saved in checkpoint `path`."""
+    if not (path / f"rank-{rank}.json").is_file():
+        raise CheckpointError(f"{path}: holds no state of rank {rank} (it was written by a run with other "
+                              f"ranks); resume with the topology it was written with")
+    return _load_tensors(path / f"rank-{rank}.pt", "cpu"), json.loads((path / f"rank-{rank}.json").read_text())
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -161,7 +198,7 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
     return {
         "drafter": load_file(str(path / "drafter.safetensors"), device=str(device)),
         "optimizer": _load_tensors(path / "optimizer.pt", device),
-        "rng": _load_tensors(path / "rng.pt", "cpu"),
+        "rng": _load_tensors(path / "rng.pt", "cpu") if (path / "rng.pt").is_file() else None,
         "trainer": json.loads((path / "trainer_state.json").read_text()),
         "drafter_config": json.loads((path / DRAFTER_CONFIG).read_text()),
     }

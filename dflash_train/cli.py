@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -42,6 +43,7 @@ def add_train_commands(commands) -> None:
 def run_train(args) -> int:
     from dflash_train.checkpoint import CheckpointError
     from dflash_train.config import ConfigError, load_config
+    from dflash_train.dist import PeerFailure
     from dflash_train.train import TrainingStopped, train
 
     overrides = list(args.overrides)
@@ -59,6 +61,11 @@ def run_train(args) -> int:
     except (CheckpointError, OSError) as err:  # a refused checkpoint file; a save on a full disk
         print(f"dflash-train train: error: {err}", file=sys.stderr)
         return 1
+    except PeerFailure as err:
+        print(f"dflash-train train: error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not a normal exit: tearing down process groups whose peers are gone can block.
+        os._exit(3)
     return 0
 
 

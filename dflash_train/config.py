@@ -173,6 +173,27 @@ class EvalSection:
 
 
 @dataclass
+class TopologySection:
+    """How the processes of a run (one per device, started by torchrun) are used."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every rank runs the target and a drafter replica (data parallel);
+    disaggregated: target ranks capture and send packed batches to drafter ranks."""
+    num_target_ranks: int | None = None
+    """Disaggregated only: target ranks per node (the first local ranks of every node); the
+    other local ranks train the drafter. At least one of each per node."""
+    queue_depth: int = 2
+    """Disaggregated only: batches in flight per drafter rank at most (sent, not yet received)."""
+    split_fc: bool = False
+    """Ship the tapped layers unconcatenated and do the concat and the feature noise on the
+    drafter side (same numbers as doing them on the target side)."""
+    timeout_s: float = 60.0
+    """Seconds a rank waits for another (a batch, a send slot, a collective) before it exits
+    non-zero naming what it waited for; must exceed the longest pause of any rank (a step, a
+    checkpoint save, an evaluation)."""
+
+
+@dataclass
 class FaultsSection:
     """Injected failures, for tests and debugging only; all off by default. Steps are 1-based
     optimizer steps, as logged."""
@@ -184,7 +205,7 @@ class FaultsSection:
     target_error: Literal["runtime", "oom"] = "runtime"
     """What the target forward raises: a RuntimeError, or torch.OutOfMemoryError."""
     delay_at_steps: list[int] = field(default_factory=list)
-    """Sleep delay_seconds after these steps (a slow rank; the hook issue 6's ranks will use)."""
+    """Sleep delay_seconds after these steps (a slow or hung rank, with on_ranks)."""
     delay_seconds: float = 0.0
     """Length of each injected delay, in seconds."""
     sigterm_at_steps: list[int] = field(default_factory=list)
@@ -195,6 +216,8 @@ class FaultsSection:
     """Die (os._exit(137), like kill -9) halfway through writing the checkpoint of these steps."""
     corrupt_checkpoint_at_steps: list[int] = field(default_factory=list)
     """After saving the checkpoint of these steps, cut its drafter.safetensors to half."""
+    on_ranks: list[int] | None = None
+    """Global ranks on which the faults above fire (default: every rank)."""
 
 
 @dataclass
@@ -210,6 +233,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    topology: TopologySection = field(default_factory=TopologySection)
     faults: FaultsSection = field(default_factory=FaultsSection)
 
 
@@ -477,6 +501,18 @@ def validate(cfg: Config) -> list[str]:
     positive("eval.max_new_tokens", cfg.eval.max_new_tokens)
     if cfg.eval.every and cfg.eval.prompts not in PROMPT_SETS and not Path(cfg.eval.prompts).is_file():
         p.append(f"eval.prompts must be mt-bench, humaneval, gsm8k or an existing JSONL file, got {cfg.eval.prompts!r}")
+    t = cfg.topology
+    if t.mode == "disaggregated":
+        if t.num_target_ranks is None or t.num_target_ranks < 1:
+            p.append(f"topology.num_target_ranks must be >= 1 in disaggregated mode (target ranks per node), "
+                     f"got {t.num_target_ranks!r}")
+    elif t.num_target_ranks is not None:
+        p.append(f"topology.num_target_ranks is for topology.mode=disaggregated only (colocated: every rank "
+                 f"holds the target); remove it or set topology.mode=disaggregated")
+    positive("topology.queue_depth", t.queue_depth)
+    positive("topology.timeout_s", t.timeout_s)
+    if cfg.faults.on_ranks is not None and any(r < 0 for r in cfg.faults.on_ranks):
+        p.append(f"faults.on_ranks must hold global ranks >= 0, got {cfg.faults.on_ranks}")
     for name, value in dataclasses.asdict(cfg.faults).items():
         if name.endswith("_steps") and any(step < 1 for step in value):
             p.append(f"faults.{name} must hold optimizer steps >= 1, got {value}")

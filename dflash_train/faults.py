@@ -2,7 +2,8 @@
 
 Owns what each fault does and when it fires; the trainer and the checkpoint writer call these
 hooks at fixed points. Every fault is off by default and costs a set lookup when off. Steps are
-1-based optimizer steps, as logged.
+1-based optimizer steps, as logged (on a target rank of a disaggregated run: the step whose
+batches it has just produced). `faults.on_ranks` limits them to some global ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dflash_train.config import FaultsSection
 
 
 class Faults:
-    def __init__(self, cfg: FaultsSection) -> None:
+    def __init__(self, cfg: FaultsSection, rank: int = 0) -> None:
+        if cfg.on_ranks is not None and rank not in cfg.on_ranks:
+            cfg = FaultsSection()  # this rank is spared: every fault off
         self.cfg = cfg
         self.nan_at = frozenset(cfg.nan_at_steps)
         self.target_error_at = frozenset(cfg.target_error_at_steps)

@@ -54,12 +54,17 @@ def document_starts(doc_lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([doc_lengths.new_zeros(1), torch.cumsum(doc_lengths, 0)])
 
 
-def step_generator(seed: int, step: int, rank: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one step's random draws (anchors, noise), a pure function of
-    (seed, step, rank): a resumed run draws exactly what an uninterrupted one would."""
+NOISE_STREAM, ANCHOR_STREAM = 0, 1  # independent random streams of one micro-batch
+
+
+def step_generator(seed: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for the random draws of one micro-batch, a pure function of (seed, global
+    micro-batch index `step`, `stream`): a resumed run, and any rank that handles the micro-batch,
+    draws exactly what an uninterrupted single-process run would. Feature noise and anchors use
+    separate streams, so noise drawn on a target rank leaves the drafter's anchors unchanged."""
     gen = torch.Generator(device=device)
     # Mix the three integers into one 63-bit seed (splitmix-style constants).
-    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (2**63 - 1)
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) % (2**63 - 1)
     gen.manual_seed(mixed)
     return gen
 

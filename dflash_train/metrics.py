@@ -24,6 +24,7 @@ class Accumulator:
     FIELDS = ("loss_sum", "weight_sum", "run_sum", "num_blocks", "tokens", "padded_tokens",
               "samples", "sum_seq_len", "sum_max_seq_len", "micro_batches", "grad_norm_sum",
               "steps", "skipped", "failed_batches")
+    PER_STEP = ("grad_norm_sum", "steps", "skipped")
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -118,6 +119,19 @@ class Accumulator:
         return record
 
 
+    def all_reduce(self, reduce_sum) -> None:
+        """Sum the data sums over ranks in place (`reduce_sum` all-reduces one tensor); the per-
+        step fields (steps, skips, grad norm) are the same on every rank and stay as they are."""
+        names = [k for k in self.FIELDS if k not in self.PER_STEP]
+        packed = torch.cat([torch.stack([self.sums[k] for k in names]), self.correct_K, self.count_K, self.run_hist])
+        reduce_sum(packed)
+        for i, k in enumerate(names):
+            self.sums[k] = packed[i].clone()
+        K, n = self.block_size - 1, len(names)
+        self.correct_K, self.count_K = packed[n : n + K].clone(), packed[n + K : n + 2 * K].clone()
+        self.run_hist = packed[n + 2 * K :].clone()
+
+
 class StageTimer:
     """Wall time per stage. On CUDA, events are recorded without syncing and read at log
     time; on CPU, perf_counter deltas."""
@@ -147,6 +161,15 @@ class StageTimer:
         self.pending.clear()
         out, self.totals = {k: round(v, 4) for k, v in self.totals.items()}, {}
         return out
+
+
+class NullSink:
+    """What ranks other than the logging one get: every call does nothing."""
+
+    def progress(self, n: int = 1) -> None: ...
+    def log(self, record: dict) -> None: ...
+    def event(self, text: str) -> None: ...
+    def close(self) -> None: ...
 
 
 class MetricsSink:

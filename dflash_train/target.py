@@ -101,13 +101,14 @@ class LayerTaps:
 
         return hook
 
-    def features(self) -> torch.Tensor | None:
-        """[..., T, F] of the last forward (then forgotten), or None when nothing is tapped."""
+    def features(self, concat: bool = True) -> torch.Tensor | list[torch.Tensor] | None:
+        """[..., T, F] of the last forward (then forgotten), or with concat=False the tapped
+        layers' [..., T, H] outputs in tap order; None when nothing is tapped."""
         if not self.layer_ids:
             return None
-        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        parts = [self.outputs[i] for i in self.layer_ids]
         self.outputs.clear()
-        return features
+        return torch.cat(parts, dim=-1) if concat else parts
 
     def __enter__(self) -> "LayerTaps":
         return self
@@ -122,7 +123,8 @@ class LayerTaps:
 class Packed:
     """One packed row for the drafter (device tensors, except `num_tokens`)."""
 
-    features_TF: torch.Tensor  # tapped target features, padding dropped, noise added
+    features_TF: torch.Tensor | list[torch.Tensor]  # tapped target features, padding dropped,
+    # noise added; or (split fc layers) one [T, H] tensor per tap, without noise
     input_ids_T: torch.Tensor
     loss_mask_T: torch.Tensor  # bool
     labels_T: torch.Tensor  # what the drafter must produce at each position
@@ -155,11 +157,12 @@ class Target:
         self.lm_head_weight = head.weight if head is not None else self.embed_weight
 
     @torch.no_grad()
-    def capture(self, input_ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """features [b, L, n*H] of the tapped layers (in tap order), and, when the target was
-        built with need_logits, its greedy next-token prediction at every position [b, L]."""
+    def capture(self, input_ids_bL: torch.Tensor, concat: bool = True):
+        """features [b, L, n*H] of the tapped layers (in tap order; concat=False: a list of n
+        [b, L, H]), and, when the target was built with need_logits, its greedy next-token
+        prediction at every position [b, L]."""
         out = self.decoder(input_ids=input_ids_bL, use_cache=False)
-        features = self.taps.features()
+        features = self.taps.features(concat)
         greedy = None
         if self.need_logits:
             last = out.last_hidden_state
@@ -199,15 +202,23 @@ def pack(
 ) -> Packed:
     """Drop padding, concatenate rows into one packed row, padded with zeros to `pad_to`
     tokens (at least the real count; the trainer passes the token budget, so every packed row
-    has one shape), and add training noise to the features."""
-    device = features_bLF.device
-    b, L, F = features_bLF.shape
+    has one shape), and add training noise to the features. `features_bLF` may be a list of
+    per-tap [b, L, H] tensors (split fc layers): each is packed alone and no noise is added
+    (`finish_features` concatenates and adds it where the drafter runs)."""
+    split = isinstance(features_bLF, (list, tuple))
+    parts = list(features_bLF) if split else [features_bLF]
+    device = parts[0].device
+    b, L, _ = parts[0].shape
     index = pack_index(lengths, L).to(device, non_blocking=True)
     T = index.numel()
     T_pad = max(T, pad_to)
-    feats = torch.zeros(T_pad, F, dtype=features_bLF.dtype, device=device)
-    feats[:T] = features_bLF.reshape(b * L, F).index_select(0, index)
-    feats = add_feature_noise(feats, noise, noise_std, generator)
+    packed_parts = []
+    for part in parts:
+        F = part.shape[-1]
+        feats = torch.zeros(T_pad, F, dtype=part.dtype, device=device)
+        feats[:T] = part.reshape(b * L, F).index_select(0, index)
+        packed_parts.append(feats)
+    feats = packed_parts if split else add_feature_noise(packed_parts[0], noise, noise_std, generator)
     ids = torch.zeros(T_pad, dtype=torch.long, device=device)
     ids[:T] = input_ids_bL.to(device, non_blocking=True).reshape(-1).index_select(0, index)
     mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
@@ -221,6 +232,61 @@ def pack(
         labels[:T] = shifted.reshape(-1).index_select(0, index)
     doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
     return Packed(feats, ids, mask, labels, doc_lengths, T)
+
+
+def finish_features(features, noise: str, noise_std: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The drafter's [T, F] context features: split fc layers' per-tap tensors concatenated,
+    then noised exactly as `pack` would have on the target side (same shape, same generator);
+    an already finished tensor is returned as is."""
+    if not isinstance(features, (list, tuple)):
+        return features
+    return add_feature_noise(torch.cat(list(features), dim=-1), noise, noise_std, generator)
+
+
+class TargetHeads:
+    """The target's frozen embedding and lm_head without its layers: what a drafter rank of a
+    disaggregated run needs. Read from the checkpoint's safetensors files by name, so the
+    decoder layers are never loaded."""
+
+    def __init__(self, path: str, device: torch.device, dtype: str) -> None:
+        import json
+
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        folder = resolve_target_path(path)
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        names: dict[int, list[str]] = {}  # tied weights have several names; the file holds one
+        for n, p in skeleton.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        embed = skeleton.get_input_embeddings().weight
+        head = skeleton.get_output_embeddings()
+        wanted = {"embed": names[id(embed)]}
+        if head is not None and head.weight is not embed:
+            wanted["head"] = names[id(head.weight)]
+        index = folder / "model.safetensors.index.json"
+        files = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+        torch_dtype = resolve_dtype(dtype, device)
+        found = {}
+        for role, candidates in wanted.items():
+            for name in candidates:
+                file = folder / files.get(name, "model.safetensors")
+                if not file.is_file():
+                    continue
+                with safe_open(str(file), framework="pt") as f:
+                    if name in f.keys():
+                        found[role] = f.get_tensor(name).to(device, torch_dtype)
+                        break
+            if role not in found:
+                raise KeyError(f"{folder}: no safetensors file holds the target's {role} weight "
+                               f"(looked for {candidates})")
+        self.embed_weight = found["embed"]
+        self.lm_head_weight = found.get("head", self.embed_weight)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
 
 
 class SidePacker:
@@ -238,14 +304,16 @@ class SidePacker:
     def __call__(self, input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw) -> Packed:
         if self.stream is None:
             return pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
-        main = torch.cuda.current_stream(features_bLF.device)
+        parts = list(features_bLF) if isinstance(features_bLF, (list, tuple)) else [features_bLF]
+        main = torch.cuda.current_stream(parts[0].device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            for t in (features_bLF, greedy_bL):
+            for t in (*parts, greedy_bL):
                 if t is not None:
                     t.record_stream(self.stream)
             packed = pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
         main.wait_stream(self.stream)
-        for t in (packed.features_TF, packed.input_ids_T, packed.loss_mask_T, packed.labels_T, packed.doc_lengths):
+        out_feats = packed.features_TF if isinstance(packed.features_TF, list) else [packed.features_TF]
+        for t in (*out_feats, packed.input_ids_T, packed.loss_mask_T, packed.labels_T, packed.doc_lengths):
             t.record_stream(main)
         return packed

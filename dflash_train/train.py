@@ -10,6 +10,7 @@ checkpoints and export live in the outer loop behind plain `step % every == 0` c
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -20,12 +21,15 @@ import torch
 
 from dflash_train import checkpoint as ckpt
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
+from dflash_train.dist import Dist
 from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
 from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
-from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
-from dflash_train.metrics import Accumulator, MetricsSink, StageTimer
-from dflash_train.target import SidePacker, load_target, resolve_device, resolve_target_path
+from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
+                                step_generator)
+from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer
+from dflash_train.target import SidePacker, TargetHeads, finish_features, load_target, resolve_target_path
+from dflash_train.transport import Receiver, Sender, Shipment
 
 
 class TrainingStopped(RuntimeError):
@@ -109,23 +113,32 @@ class StepResult:
     grad_norm: torch.Tensor
     applied: bool
     failed_batches: int = 0
-    """Micro-batches skipped because the target forward raised."""
+    """Micro-batches of this rank skipped because the target forward raised."""
+    all_failed: bool = False
+    """Every micro-batch of the step (on every drafter rank) failed: nothing to learn from."""
 
 
 class Trainer:
+    """One rank of a run. Alone (no torchrun) it is target and drafter at once; under torchrun
+    it is, by `topology`, a colocated data-parallel replica, a target rank or a drafter rank."""
+
     def __init__(self, cfg: Config, log=print, *, target_config=None, build_target=None, dataset=None) -> None:
         """Builds the run from `cfg`. Benchmarks (bench.py) replace the target folder and the
         chat data with `target_config` (a transformers config of the target's shape),
         `build_target(layer_ids, need_logits) -> Target` and `dataset` (rows of input_ids,
-        loss_mask, length); there is no tokenizer then, so drafter.mask_token_id must be set."""
+        loss_mask, length); there is no tokenizer then, so drafter.mask_token_id must be set.
+        Injected parts are for one process holding both roles."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from dflash_train.batching import BatchCursor, BatchPlan
+        from dflash_train.batching import BatchPlan, BatchStream
 
         assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
-        self.cfg, self.log = cfg, log
+        self.dist = Dist.from_env(cfg.topology, cfg.train.device)
+        self.cfg, self.log = cfg, self.dist.log_fn(log)
+        prefix = f"{self.dist.name()}: " if self.dist.world_size > 1 else ""
+        self.log_any = lambda text: log(prefix + text)  # noqa: E731 (messages every rank prints)
         self.out = Path(cfg.output_dir)
-        self.device = resolve_device(cfg.train.device)
+        self.device = self.dist.device
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         # Everything cheap and checkable first: config errors surface before heavy loading.
@@ -138,39 +151,52 @@ class Trainer:
             torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
             drafter = build_drafter(cfg, target_config, tokenizer)
         self.block_size = drafter.block_size
-        self.dataset = load_data(cfg, target_dir, log) if dataset is None else dataset
+        self.dataset = load_data(cfg, target_dir, self.log) if dataset is None else dataset
         plan = BatchPlan(self.dataset["length"], token_budget=cfg.data.token_budget,
                          max_batch_size=cfg.data.max_batch_size, boundaries=cfg.data.bucket_boundaries,
                          num_buckets=cfg.data.num_buckets, seed=cfg.train.seed)
-        pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        self.cursor = BatchCursor(self.dataset, plan, pad_id=pad_id)
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.stream = BatchStream(self.dataset, plan, pad_id=0 if pad_id is None else pad_id)
         self.plan = plan
-        if build_target is None:
+        self.assign = self.dist.assignment(cfg.train.grad_accum)
+        self.split = cfg.topology.split_fc
+        if build_target is not None:
+            if not self.dist.is_target or not self.dist.is_drafter:
+                raise ConfigError(["an injected target (bench) runs with both roles in one process: "
+                                   "topology.mode=colocated"])
+            self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
+        elif self.dist.is_target:
             self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
                                          need_logits=cfg.objective.labels == "target", compile=cfg.target.compile)
-        else:
-            self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
-        self.drafter = drafter.to(self.device, torch.float32).train()
+        else:  # a drafter rank needs the target's embedding and lm_head only
+            self.target = TargetHeads(cfg.target.path, self.device, cfg.target.dtype)
+        steps_per_epoch = max(1, plan.num_batches // self.assign.micro_per_step)
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+        self.drafter = drafter.to(self.device, torch.float32).train() if self.dist.is_drafter else None
+        self.mask_token_id = drafter.mask_token_id
         self.attention = cfg.train.attention
         if self.attention == "auto":
             self.attention = "flex" if self.device.type == "cuda" else "sdpa"
-        if cfg.train.compile:
-            for layer in self.drafter.layers:
-                layer.compile()
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, fused=self.device.type == "cuda",
-        )
-        steps_per_epoch = max(1, self.cursor.batches_per_epoch // cfg.train.grad_accum)
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
+        if self.dist.is_drafter:
+            if cfg.train.compile:
+                for layer in self.drafter.layers:
+                    layer.compile()
+            o = cfg.optim
+            self.optimizer = torch.optim.AdamW(
+                self.drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, fused=self.device.type == "cuda",
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, cosine_with_warmup(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
         self.packer = SidePacker(self.device)
         self.timer = StageTimer(self.device)
         self.acc = Accumulator(self.block_size, self.device)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
-        self.faults = Faults(cfg.faults)
+        self.faults = Faults(cfg.faults, self.dist.rank)
+        if self.dist.disaggregated:
+            self.sender = Sender(self.dist, cfg.topology.queue_depth) if self.dist.is_target else None
+            self.receiver = Receiver(self.dist) if self.dist.is_drafter else None
+            self.waits_logged = None
         self.step = 0
         self.saved_step = None
         self.consecutive_skips = 0
@@ -179,72 +205,102 @@ class Trainer:
 
     # ------------------------------------------------------------------- one step
 
-    def capture_target(self, batch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def generator(self, index: int, stream: int) -> torch.Generator:
+        return step_generator(self.cfg.train.seed, index, stream, device=self.device)
+
+    def capture_target(self, batch):
         """The target's features for one micro-batch, or None when the target forward raised
-        (out of memory on an unusual shape, ...): logged with the batch's shape and counted; the
-        cursor has already moved past the batch, so a resumed run skips it too."""
+        (out of memory on an unusual shape, ...): logged with the batch's shape; the consuming
+        drafter counts it. The data cursor is past the batch, so a resumed run skips it too."""
         try:
             self.faults.target_forward(self.step + 1)
-            captured = self.target.capture(batch.input_ids.to(self.device, non_blocking=True))
+            ids = batch.input_ids.to(self.device, non_blocking=True)
+            captured = self.target.capture(ids, concat=False) if self.split else self.target.capture(ids)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             failure = f"{type(err).__name__}: {err}"
         else:
-            self.consecutive_failures = 0
             return captured
         # Outside the except block: the traceback (and the tensors its frames hold) is gone.
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.consecutive_failures += 1
-        self.acc.add_failed_batch()
-        self.log(f"step {self.step + 1}: target forward failed on batch of shape "
-                 f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
+        self.log_any(f"step {self.step + 1}: target forward failed on batch of shape "
+                     f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
         return None
 
-    def forward_micro_batch(self, batch, micro: int) -> BlockLossOutput | None:
-        """Target -> pack -> blocks -> drafter -> loss for one micro-batch; None when the target
-        failed on it (the micro-batch is skipped)."""
-        c, gen = self.cfg, step_generator(self.cfg.train.seed, self.step * self.cfg.train.grad_accum + micro, device=self.device)
+    def produce(self, index: int, batch) -> Shipment:
+        """Target side of global micro-batch `index`: capture, then pack (noise added here
+        unless the fc layers are split)."""
+        c = self.cfg
+        stats = dict(padded_tokens=batch.input_ids.numel(), rows=batch.batch_size, epoch=batch.epoch,
+                     sum_seq_len=int(batch.lengths.sum()), max_seq_len=batch.max_seq_len)
         self.timer.mark("target")
         captured = self.capture_target(batch)
         if captured is None:
-            return None
+            return Shipment(index, True, None, **stats)
         feats, greedy = captured
         self.timer.mark("pack")
         packed = self.packer(batch.input_ids, batch.loss_mask, batch.lengths.tolist(), feats, greedy,
-                             pad_to=c.data.token_budget, noise=c.objective.noise,
-                             noise_std=c.objective.noise_std, generator=gen)
+                             pad_to=c.data.token_budget, noise=c.objective.noise, noise_std=c.objective.noise_std,
+                             generator=None if self.split else self.generator(index, NOISE_STREAM))
+        return Shipment(index, False, packed.features_TF, packed.input_ids_T, packed.loss_mask_T, packed.labels_T,
+                        packed.doc_lengths, num_tokens=packed.num_tokens, **stats)
+
+    def forward_micro_batch(self, s: Shipment) -> BlockLossOutput | None:
+        """Drafter side: (concat + noise with split fc layers) -> blocks -> drafter -> loss;
+        None when the target failed on the micro-batch (it is skipped)."""
+        c = self.cfg
+        if s.failed:
+            self.consecutive_failures += 1
+            self.acc.add_failed_batch()
+            return None
+        self.consecutive_failures = 0
         self.timer.mark("mask")
-        anchors = sample_anchors(packed.loss_mask_T, packed.doc_lengths, c.objective.num_anchors, gen,
+        features_TF = finish_features(s.features, c.objective.noise, c.objective.noise_std,
+                                      self.generator(s.index, NOISE_STREAM))
+        anchors = sample_anchors(s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
+                                 self.generator(s.index, ANCHOR_STREAM),
                                  pad_to_multiple=c.train.anchor_multiple, pow2_buckets=True)
-        layout = build_layout(anchors, packed.loss_mask_T, packed.doc_lengths, self.block_size)
+        layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, self.block_size)
         masks = build_attention_masks(layout, self.drafter.layer_types, self.drafter.config.sliding_window, self.attention)
         self.timer.mark("drafter_forward")
-        noise_emb = self.target.embed(layout.block_input_ids(packed.input_ids_T, self.drafter.mask_token_id))
+        noise_emb = self.target.embed(layout.block_input_ids(s.input_ids_T, self.mask_token_id))
         with self.autocast:
-            hidden = self.drafter(packed.features_TF[None], noise_emb[None], layout.position_ids(), attention_mask=masks)[0]
+            hidden = self.drafter(features_TF[None], noise_emb[None], layout.position_ids(), attention_mask=masks)[0]
         out = block_loss(hidden.to(self.target.lm_head_weight.dtype), self.target.lm_head_weight,
-                         layout.labels(packed.labels_T), layout.valid_NB.flatten(), self.block_size,
+                         layout.labels(s.labels_T), layout.valid_NB.flatten(), self.block_size,
                          gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows)
         out.loss_sum = self.faults.poison_loss(self.step + 1, out.loss_sum)
         self.acc.add_loss(out)
-        self.acc.add_batch(packed.num_tokens, batch.input_ids.numel(), batch.batch_size,
-                           int(batch.lengths.sum()), batch.max_seq_len)
+        self.acc.add_batch(s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len)
         return out
 
-    def train_step(self, batches) -> StepResult:
-        """One optimizer step over `grad_accum` micro-batches; skipped if anything is non-finite."""
-        loss_sum, weight_sum, failed = 0.0, 0.0, 0
-        for micro, batch in enumerate(batches):
-            out = self.forward_micro_batch(batch, micro)
+    def micro_batches(self):
+        """This drafter rank's micro-batches of the current step, made here (colocated) or
+        received from their target ranks (disaggregated), one at a time: the next is asked for
+        only after the previous one's backward."""
+        for index in self.assign.consumed(self.step, self.dist.drafter_index):
+            if not self.dist.disaggregated:
+                yield self.produce(index, self.stream[index])
+            else:
+                self.timer.mark("receive")
+                yield self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
+
+    def train_step(self, micro_batches) -> StepResult:
+        """One optimizer step over this rank's micro-batches; skipped if anything is non-finite."""
+        loss_sum, weight_sum, used, failed = 0.0, 0.0, 0, 0
+        for shipment in micro_batches:
+            out = self.forward_micro_batch(shipment)
             if out is None:
                 failed += 1
                 continue
             self.timer.mark("backward")
             out.loss_sum.backward()
-            loss_sum, weight_sum = loss_sum + out.loss_sum.detach(), weight_sum + out.weight_sum
+            loss_sum, weight_sum, used = loss_sum + out.loss_sum.detach(), weight_sum + out.weight_sum, used + 1
         self.timer.mark("optimizer")
+        if len(self.dist.drafter_ranks) > 1:
+            loss_sum, weight_sum, used = self.all_reduce_gradients(loss_sum, weight_sum, used)
         finite = False
-        if failed == len(batches):  # nothing to learn from: weights and optimizer untouched
+        if used == 0:  # nothing to learn from: weights and optimizer untouched
             loss_sum = grad_norm = torch.zeros((), device=self.device)
         else:
             params = [p for p in self.drafter.parameters() if p.grad is not None]
@@ -257,59 +313,152 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.timer.mark(None)
-        return StepResult(loss_sum, grad_norm, finite, failed)
+        return StepResult(loss_sum, grad_norm, finite, failed, all_failed=used == 0)
 
-    # ------------------------------------------------------------------- the loop
+    def all_reduce_gradients(self, loss_sum, weight_sum, used: int):
+        """Sum gradients, loss and weight sums over the drafter ranks (one flat all-reduce), so
+        that dividing by the global weight gives the single-process gradient of the same
+        micro-batches. Done once per step after accumulation rather than by DDP's backward hooks:
+        DDP averages by the number of ranks (the exact mean needs the weight sum instead) and
+        needs every rank to run the same backwards, which a skipped micro-batch breaks."""
+        params = list(self.drafter.parameters())
+        for p in params:
+            if p.grad is None:  # every micro-batch of this rank failed: it adds zeros
+                p.grad = torch.zeros_like(p)
+        totals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
+                              for v in (loss_sum, weight_sum, float(used))])
+        self.dist.all_reduce_drafters([p.grad for p in params] + [totals],
+                                      f"waiting for the gradient all-reduce of step {self.step + 1}")
+        # host sync: the count decides whether the step has anything to apply
+        return totals[0], totals[1], int(totals[2].item())
 
-    def run(self) -> Path:
-        """Train to the end (or a signal), then export; returns the exported drafter folder."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        config_yaml = self.out / "config.yaml"
-        dump_yaml(self.cfg, config_yaml)
-        resumed = ckpt.find_resumable(self.out, log=self.log)
-        if resumed is not None:
-            self.restore(ckpt.load_checkpoint(resumed, self.device))
-            self.saved_step = self.step
-        else:
+    # ------------------------------------------------------------------- the loops
+
+    def run(self) -> Path | None:
+        """Train to the end (or a stop), then export; returns the exported drafter folder
+        (None on a target rank)."""
+        if not self.dist.is_drafter:
+            return self.run_target()
+        if self.dist.is_leader:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_yaml(self.cfg, self.out / "config.yaml")
+        if not self.resume():
             self.warm_up()
-        sink = MetricsSink(self.out, self.cfg.log, to_dict(self.cfg), self.total_steps, self.step)
+        sink = MetricsSink(self.out, self.cfg.log, to_dict(self.cfg), self.total_steps, self.step) \
+            if self.dist.is_leader else NullSink()
         stop = ckpt.StopFlag().install()
         deadline = time.perf_counter() + (self.cfg.train.max_time_s or float("inf"))
+        signalled = out_of_time = False
         try:
-            while self.step < self.total_steps and stop.requested is None:
-                batches = [next(self.cursor) for _ in range(self.cfg.train.grad_accum)]
-                result = self.train_step(batches)
+            while self.step < self.total_steps:
+                result = self.train_step(self.micro_batches())
                 self.step += 1
                 self.acc.add_step(result.grad_norm, skipped=not result.applied)
                 sink.progress()
-                stopping = self.track_skips(result, sink) or self.too_many_failures()
-                out_of_time = time.perf_counter() >= deadline
+                nonfinite_stop = self.track_skips(result, sink)
+                self.faults.after_step(self.step)
+                signalled, nonfinite_stop, failure_stop, out_of_time = self.agree_stop(
+                    stop, nonfinite_stop, self.too_many_failures(), time.perf_counter() >= deadline)
+                stopping = nonfinite_stop or failure_stop
                 if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping or out_of_time:
                     record = self.log_record()
-                    if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                    if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.dist.is_leader:
                         record.update(self.evaluate())
                     sink.log(record)
                 if stopping:
-                    self.stop_on_faults()
+                    self.stop_on_faults(failure_stop)
                 if self.step % self.cfg.checkpoint.every == 0:
                     self.save()
-                self.faults.after_step(self.step)
+                    if not signalled:  # a signal during the save stops the run here, saved
+                        signalled = bool(self.dist.agree([stop.requested is not None],
+                                                         f"waiting for the other ranks after the save of step {self.step}")[0])
+                if signalled:
+                    break
                 if out_of_time and self.step < self.total_steps:
                     sink.event(f"train.max_time_s={self.cfg.train.max_time_s:g} reached: the run ends at step "
                                f"{self.step} of {self.total_steps}")
                     break
-            if stop.requested is not None:
-                sink.event(f"{stop.requested} received: saving a checkpoint at step {self.step} and exiting")
+            if signalled:
+                cause = stop.requested or "a signal to another rank"
+                sink.event(f"{cause} received: saving a checkpoint at step {self.step} and exiting")
             if self.saved_step != self.step:
                 self.save()
+            self.drain()
         finally:
             stop.restore()
             sink.close()
-        if stop.requested is not None:
+        if signalled:
             return self.out / "checkpoints"
+        if not self.dist.is_leader:
+            return None
         exported = ckpt.export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
         self.log(f"drafter exported to {exported}")
         return exported
+
+    def agree_stop(self, stop: ckpt.StopFlag, nonfinite: bool, failures: bool,
+                   out_of_time: bool) -> tuple[bool, bool, bool, bool]:
+        """Whether every rank stops after this step: a signal to any rank, a fault stop of any
+        drafter rank, or train.max_time_s passed on any drafter rank (one small all-reduce over
+        the control group; alone: the local flags)."""
+        flags = self.dist.agree([stop.requested is not None, nonfinite, failures, out_of_time],
+                                f"waiting for the other ranks at the end of step {self.step}")
+        return bool(flags[0]), bool(flags[1]), bool(flags[2]), bool(flags[3])
+
+    def drain(self) -> None:
+        """After a stop at step k, receive (and drop) what the targets had already produced for
+        the steps after k (they run up to `lag` steps ahead), so no send is left hanging."""
+        if not self.dist.disaggregated:
+            return
+        last = min(self.step + self.dist.lag(self.assign), self.total_steps)
+        for step in range(self.step, last):
+            for index in self.assign.consumed(step, self.dist.drafter_index):
+                self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
+
+    def run_target(self) -> None:
+        """A target rank of a disaggregated run: capture and send the batches of steps
+        step+1, step+2, ..., at most `lag` steps ahead of the drafters, joining each step's stop
+        agreement (and checkpoint) when it falls due."""
+        self.resume()
+        self.warm_up()
+        stop = ckpt.StopFlag().install()
+        lag, me = self.dist.lag(self.assign), self.dist.target_index
+        joined, outcome = self.step, None  # agreements of drafter steps 1..joined are done
+        try:
+            for step in range(self.step + 1, self.total_steps + 1):
+                while outcome is None and joined < step - lag - 1:
+                    joined += 1
+                    outcome = self.target_agree(joined, stop)
+                if outcome is not None:
+                    break
+                self.step = step - 1
+                for index in self.assign.produced(step - 1, me):
+                    consumer = self.dist.drafter_ranks[self.assign.consumer(index)]
+                    self.sender.send(consumer, self.produce(index, self.stream[index]), self.split)
+                self.timer.mark(None)
+                self.faults.after_step(step)
+            while outcome is None and joined < self.total_steps:
+                joined += 1
+                outcome = self.target_agree(joined, stop)
+            self.sender.flush()
+        finally:
+            stop.restore()
+        if outcome == "fault":
+            raise TrainingStopped(f"stopped with the drafter ranks at step {joined} (their message says why)")
+        return None
+
+    def target_agree(self, step: int, stop: ckpt.StopFlag) -> str | None:
+        """A target rank's part in the agreement (and checkpoint) after drafter step `step`."""
+        flags = self.dist.agree([stop.requested is not None, 0, 0, 0],
+                                f"waiting for the drafter ranks to finish step {step}")
+        stopping = any(flags)
+        if step % self.cfg.checkpoint.every == 0 or stopping or step == self.total_steps:
+            self.save(step)
+        if step % self.cfg.checkpoint.every == 0 and not stopping:  # the drafters' after-save agreement
+            flags[0] = self.dist.agree([stop.requested is not None], f"waiting for the drafter ranks after the "
+                                       f"save of step {step}")[0]
+        if flags[1] or flags[2]:
+            return "fault"
+        return "signal" if flags[0] else "time" if flags[3] else None
 
     def evaluate(self) -> dict:
         """tau of the current drafter on the held-out prompts (docs/EVALUATION.md); the
@@ -322,13 +471,13 @@ class Trainer:
         self.acc.reset()  # just flushed: only its clock moves
         return metrics
 
-    def track_skips(self, result: StepResult, sink: MetricsSink) -> bool:
+    def track_skips(self, result: StepResult, sink) -> bool:
         """Count non-finite steps; True when the run must stop. A step whose micro-batches all
         failed in the target forward is counted by `too_many_failures` instead."""
         if result.applied:
             self.consecutive_skips = 0
             return False
-        if result.failed_batches == self.cfg.train.grad_accum:
+        if result.all_failed:
             return False
         self.consecutive_skips += 1
         self.total_skipped += 1
@@ -338,14 +487,18 @@ class Trainer:
     def too_many_failures(self) -> bool:
         return self.consecutive_failures >= self.cfg.train.max_consecutive_batch_failures
 
-    def stop_on_faults(self) -> None:
+    def stop_on_faults(self, failures: bool) -> None:
         path = self.save()
-        if self.too_many_failures():
+        self.drain()
+        if failures:
+            limit = self.cfg.train.max_consecutive_batch_failures
+            count = self.consecutive_failures if self.too_many_failures() else f"{limit} or more"  # another rank's
             raise TrainingStopped(
-                f"the target forward failed on {self.consecutive_failures} consecutive micro-batches "
-                f"(limit train.max_consecutive_batch_failures={self.cfg.train.max_consecutive_batch_failures}; "
-                f"each failure is logged above with its batch's shape); the last good state is saved in "
-                f"{path}. If they ran out of memory, lower data.token_budget or data.max_batch_size."
+                f"the target forward failed on {count} consecutive "
+                f"micro-batches (limit train.max_consecutive_batch_failures="
+                f"{self.cfg.train.max_consecutive_batch_failures}; each failure is logged above with its batch's "
+                f"shape); the last good state is saved in {path}. If they ran out of memory, lower "
+                f"data.token_budget or data.max_batch_size."
             )
         raise TrainingStopped(
             f"{self.consecutive_skips} consecutive non-finite steps (limit "
@@ -354,10 +507,18 @@ class Trainer:
         )
 
     def log_record(self) -> dict:
-        record = {"step": self.step, "epoch": self.cursor.epoch, "lr": self.scheduler.get_last_lr()[0]}
+        """The log step's record; with several drafter ranks, their sums are added up first
+        (a collective: every drafter rank calls this at the same steps)."""
+        if len(self.dist.drafter_ranks) > 1:
+            self.acc.all_reduce(lambda t: self.dist.all_reduce_drafters(
+                [t], f"waiting for the metrics all-reduce of step {self.step}"))
+        record = {"step": self.step, "epoch": self.stream.epoch_of(self.step * self.assign.micro_per_step - 1),
+                  "lr": self.scheduler.get_last_lr()[0]}
         record.update(self.acc.flush())
         record["stage_s"] = self.timer.flush()
         record["skipped_total"] = self.total_skipped
+        if self.dist.disaggregated:
+            record["wait_s"] = self.transport_waits()
         if self.device.type == "cuda":
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         else:
@@ -366,12 +527,29 @@ class Trainer:
             record["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         return record
 
+    def transport_waits(self) -> dict:
+        """Seconds of the interval each drafter rank waited for batches (a starving drafter)
+        and each target rank waited for a free send slot (a blocked target), as lists by
+        drafter / target index. A target's figure arrives in its headers, so it is as of the
+        last batch it sent to any drafter."""
+        D, T = len(self.dist.drafter_ranks), len(self.dist.target_ranks)
+        cumulative = torch.zeros(D + T, dtype=torch.float64, device=self.device)
+        cumulative[self.dist.drafter_index] = self.receiver.wait_s
+        for target, us in self.receiver.sender_wait_us.items():
+            cumulative[D + target] = us / 1e6
+        self.dist.all_reduce_drafters([cumulative], f"waiting for the wait-time all-reduce of step {self.step}", op="max")
+        values = cumulative.tolist()  # host sync: log step only
+        previous = self.waits_logged or [0.0] * (D + T)
+        self.waits_logged = values
+        delta = [round(v - p, 4) for v, p in zip(values, previous)]
+        return {"drafter_recv": delta[:D], "target_send": delta[D:]}
+
     # ------------------------------------------------------------------- state
 
     def warm_up(self) -> None:
         """Run the target once on every bucket's largest shape (CUDA: allocator, kernels and any
         out-of-memory surface before the first step; CPU has nothing to warm)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.dist.is_target:
             return
         started = time.perf_counter()
         for rows, length in self.plan.shapes:
@@ -379,49 +557,119 @@ class Trainer:
         torch.cuda.synchronize(self.device)
         self.log(f"warmed up {len(self.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s")
 
+    def cursor_state(self, step: int) -> dict:
+        """The data cursor after `step` steps: the next global micro-batch index (the same on
+        every rank; each target rank makes the indices the assignment gives it)."""
+        return {"next_index": step * self.assign.micro_per_step, "micro_per_step": self.assign.micro_per_step,
+                **self.stream.identity()}
+
+    def rank_state(self, step: int) -> dict:
+        """What this rank alone holds: its cursor, Python RNG, and as a drafter its interval
+        sums and failure count."""
+        state = {"rank": self.dist.rank, "role": self.dist.role, "cursor": self.cursor_state(step),
+                 "python_rng": list(random.getstate()[1])}
+        if self.dist.is_drafter:
+            state.update(accumulator=self.acc.state_dict(), consecutive_failures=self.consecutive_failures)
+        return state
+
     def state(self) -> dict:
-        return {
+        state = {
             "step": self.step,
-            "cursor": self.cursor.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "total_skipped": self.total_skipped,
-            "consecutive_failures": self.consecutive_failures,
-            "accumulator": self.acc.state_dict(),
-            "python_rng": list(random.getstate()[1]),
+            "topology": self.dist.identity(),
         }
+        if self.dist.world_size == 1:
+            state.update(self.rank_state(self.step))
+        return state
 
-    def save(self) -> Path:
+    def rng_state(self) -> dict:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        path = ckpt.save_checkpoint(
-            self.out, self.step, self.drafter.state_dict(), self.optimizer.state_dict(), rng, self.state(),
-            texts={"config.yaml": (self.out / "config.yaml").read_text(),
-                   ckpt.DRAFTER_CONFIG: self.drafter.config.to_json_string(use_diff=False)},
-            keep=self.cfg.checkpoint.keep, halfway=self.faults.save_hook(self.step),
-        )
-        self.saved_step = self.step
-        self.faults.after_save(self.step, path)
+        return rng
+
+    def save(self, step: int | None = None) -> Path:
+        """Checkpoint of `step` (default: the current step). Several ranks: the leader opens a
+        shared temporary folder, every rank writes its own rank-R files into it, then the leader
+        adds weights, optimizer, scheduler and config and makes it complete (meta.json, rename)."""
+        step = self.step if step is None else step
+        path = ckpt.checkpoint_root(self.out) / f"step-{step}"
+        tmp = None
+        if self.dist.world_size > 1:
+            if self.dist.is_leader:
+                ckpt.begin_shared(self.out, step)
+            self.dist.barrier(f"waiting for the other ranks to start the checkpoint of step {step}")
+            tmp = ckpt.shared_tmp(self.out, step)
+            ckpt.write_rank_state(tmp, self.dist.rank, self.rng_state(), self.rank_state(step))
+            self.dist.barrier(f"waiting for every rank's state of the checkpoint of step {step}")
+        if self.dist.is_leader:
+            path = ckpt.save_checkpoint(
+                self.out, step, self.drafter.state_dict(), self.optimizer.state_dict(),
+                self.rng_state() if tmp is None else None, self.state(),
+                texts={"config.yaml": (self.out / "config.yaml").read_text(),
+                       ckpt.DRAFTER_CONFIG: self.drafter.config.to_json_string(use_diff=False)},
+                keep=self.cfg.checkpoint.keep, halfway=self.faults.save_hook(step), tmp=tmp,
+            )
+            self.faults.after_save(step, path)
+        self.saved_step = step
         return path
 
-    def restore(self, saved: dict) -> None:
-        self.drafter.load_state_dict(saved["drafter"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        t = saved["trainer"]
-        self.step = t["step"]
-        self.cursor.load_state_dict(t["cursor"])
-        self.scheduler.load_state_dict(t["scheduler"])
-        self.consecutive_skips, self.total_skipped = t["consecutive_skips"], t["total_skipped"]
-        self.consecutive_failures = t.get("consecutive_failures", 0)
-        self.acc.load_state_dict(t["accumulator"])
+    def resume(self) -> bool:
+        """Restore the newest verified checkpoint, if any; every rank must find the same one."""
+        found = ckpt.find_resumable(self.out, log=self.log) if self.out.is_dir() else None
+        step = int(found.name[5:]) if found is not None else -1
+        if self.dist.world_size > 1:
+            neg_min, most = self.dist.agree([-step, step], "waiting for the other ranks to pick a checkpoint")
+            if -neg_min != most:
+                raise ckpt.CheckpointError(f"{self.dist.name()}: the ranks found different checkpoints to resume "
+                                           f"from (steps {-neg_min} and {most}): is output_dir on a shared file system?")
+        if found is None:
+            return False
+        trainer = json.loads((found / "trainer_state.json").read_text())
+        saved_topology = trainer.get("topology", {"mode": "colocated", "world_size": 1, "num_targets": 1,
+                                                  "num_drafters": 1})
+        if saved_topology != self.dist.identity():
+            raise ckpt.CheckpointError(
+                f"{found}: written by a run of {saved_topology}, but this run is {self.dist.identity()}: resume "
+                f"with the same topology settings and torchrun --nproc_per_node/--nnodes, or use a new output_dir")
+        if self.dist.world_size == 1:
+            rng, own = None, trainer
+        else:
+            rng, own = ckpt.load_rank_state(found, self.dist.rank)
+        if self.dist.is_drafter:
+            saved = ckpt.load_checkpoint(found, self.device)
+            self.drafter.load_state_dict(saved["drafter"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(trainer["scheduler"])
+            self.consecutive_skips, self.total_skipped = trainer["consecutive_skips"], trainer["total_skipped"]
+            self.consecutive_failures = own.get("consecutive_failures", 0)
+            self.acc.load_state_dict(own["accumulator"])
+            rng = saved["rng"] if rng is None else rng
+        self.step = trainer["step"]
+        cursor = dict(own["cursor"])
+        if cursor.get("micro_per_step") != self.assign.micro_per_step:
+            raise ckpt.CheckpointError(f"{found}: saved with {cursor.get('micro_per_step')} micro-batches per step, "
+                                       f"now {self.assign.micro_per_step}: keep train.grad_accum and the drafter ranks")
+        try:
+            next_index = self.stream.check_state(cursor)
+        except ValueError as err:
+            raise ckpt.CheckpointError(f"{found}: {err}") from err
+        assert next_index == self.step * self.assign.micro_per_step  # our own invariant
         state = random.getstate()
-        random.setstate((state[0], tuple(t["python_rng"]), state[2]))
-        torch.set_rng_state(saved["rng"]["torch"])
-        if "cuda" in saved["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(saved["rng"]["cuda"], self.device)
-        self.log(f"resumed at step {self.step} (epoch {self.cursor.epoch}, batch {self.cursor.position})")
+        random.setstate((state[0], tuple(own["python_rng"]), state[2]))
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.saved_step = self.step
+        epoch, position = divmod(next_index, self.plan.num_batches)
+        self.log(f"resumed at step {self.step} (epoch {epoch}, batch {position})")
+        return True
 
 
-def train(cfg: Config, log=print) -> Path:
-    return Trainer(cfg, log).run()
+def train(cfg: Config, log=print) -> Path | None:
+    trainer = Trainer(cfg, log)
+    result = trainer.run()
+    trainer.dist.close()
+    return result

@@ -1,0 +1,178 @@
+"""Disaggregated and data-parallel runs under torchrun on CPU (gloo): the assignment of micro-
+batches, the same losses as a single process over the same batches, SIGTERM to one rank then an
+exact resume, and a rank that dies (SIGKILL) or hangs making the others exit with a message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_train import cli
+from dflash_train.config import ConfigError, load_config
+from dflash_train.dist import Assignment, Dist
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+STEPS = 20
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def torchrun(out: Path, nproc: int, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "dflash_train.cli", "train", "--config", str(TINY), "--output-dir", str(out),
+            f"train.max_steps={STEPS}", "train.num_threads=1", *overrides]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+DISAGG = ("topology.mode=disaggregated", "topology.num_target_ranks=1")
+
+
+def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, grad_accum 2: the batches and micro-batch indices that 2 drafter ranks with
+    grad_accum 1, or 1 drafter rank with grad_accum 2, consume."""
+    out = tmp_path_factory.mktemp("reference")
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(out), f"train.max_steps={STEPS}",
+                     "train.grad_accum=2"]) == 0
+    return losses(out)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+@settings(max_examples=60, deadline=None)
+@given(targets=st.integers(1, 5), drafters=st.integers(1, 4), accum=st.integers(1, 3), colocated=st.booleans())
+def test_assignment_covers_every_micro_batch_once(targets, drafters, accum, colocated):
+    if colocated:
+        targets = drafters
+    a = Assignment(targets, drafters, accum, colocated)
+    for step in range(4):
+        consumed = sorted(g for d in range(drafters) for g in a.consumed(step, d))
+        produced = sorted(g for t in range(targets) for g in a.produced(step, t))
+        assert consumed == produced == list(range(step * a.micro_per_step, (step + 1) * a.micro_per_step))
+        for d in range(drafters):
+            assert [a.slot(g) for g in a.consumed(step, d)] == list(range(accum))
+            assert all(a.consumer(g) == d for g in a.consumed(step, d))
+        if colocated:
+            assert all(a.producer(g) == a.consumer(g) for g in consumed)
+
+
+def test_topology_config_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="topology.num_target_ranks must be >= 1"):
+        load_config(TINY, ["topology.mode=disaggregated"])
+    with pytest.raises(ConfigError, match="for topology.mode=disaggregated only"):
+        load_config(TINY, ["topology.num_target_ranks=1"])
+    with pytest.raises(ConfigError, match="topology.queue_depth must be > 0"):
+        load_config(TINY, ["topology.queue_depth=0"])
+    cfg = load_config(TINY, list(DISAGG))
+    with pytest.raises(ConfigError, match="launch with torchrun"):
+        Dist.from_env(cfg.topology, "cpu")  # world size 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    cfg = load_config(TINY, ["topology.mode=disaggregated", "topology.num_target_ranks=3"])
+    with pytest.raises(ConfigError, match="leaves no drafter rank on a node of 3 ranks"):
+        Dist.from_env(cfg.topology, "cpu")
+
+
+# --------------------------------------------------------------------------- torchrun runs
+
+
+@pytest.mark.slow
+def test_one_target_two_drafters_equal_one_process(reference, tmp_path):
+    done = run(torchrun(tmp_path, 3, *DISAGG))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, got[step], loss)
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(last["wait_s"]["drafter_recv"]) == 2 and len(last["wait_s"]["target_send"]) == 1
+    ckpt = tmp_path / "checkpoints" / f"step-{STEPS}"
+    assert {f"rank-{r}.json" for r in range(3)} <= {p.name for p in ckpt.iterdir()}
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_targets_split_fc_sigterm_to_one_rank_then_exact_resume(reference, tmp_path):
+    """2 targets + 1 drafter (grad_accum 2), the fc concat and noise on the drafter side; target
+    rank 1 gets SIGTERM after producing step 7: every rank stops at one step, a checkpoint is
+    written, and the rerun's losses equal the single-process run's."""
+    setup = ("topology.mode=disaggregated", "topology.num_target_ranks=2", "topology.split_fc=true",
+             "train.grad_accum=2", "checkpoint.every=100")
+    first = run(torchrun(tmp_path, 3, *setup, "faults.sigterm_at_steps=[7]", "faults.on_ranks=[1]"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "a signal to another rank received: saving a checkpoint at step" in first.stdout
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and 1 <= saved[0] <= 7, saved
+    assert not (tmp_path / "drafter").exists()
+    second = run(torchrun(tmp_path, 3, *setup))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step-{saved[0]}'}" in second.stdout
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, got[step], loss)
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, children):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if rank:
+            ranks[int(rank[0][5:])] = pid
+    return ranks
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_makes_the_others_exit_with_a_message(tmp_path):
+    proc = subprocess.Popen(torchrun(tmp_path, 3, *DISAGG, "topology.timeout_s=30"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    os.kill(worker_pids(proc.pid)[2], signal.SIGKILL)  # drafter 1
+    killed = time.time()
+    output, _ = proc.communicate(timeout=120)
+    elapsed = time.time() - killed
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "gave up" in output and "another rank died or hung" in output, output[-3000:]
+    assert any(f"rank {r} (" in line and "gave up" in line for r in (0, 1) for line in output.splitlines()), output[-3000:]
+
+
+@pytest.mark.slow
+def test_hanging_rank_makes_the_others_exit_with_a_message(tmp_path):
+    """The target rank sleeps 15 s after producing step 4 (faults.delay_at_steps); with
+    topology.timeout_s=4 both drafter ranks give up, name what they waited for, and exit."""
+    started = time.time()
+    done = run(torchrun(tmp_path, 3, *DISAGG, "topology.timeout_s=4", "faults.delay_at_steps=[4]",
+                        "faults.delay_seconds=15", "faults.on_ranks=[0]"), timeout=120)
+    elapsed = time.time() - started
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert elapsed < 60 + 30, elapsed  # start-up included; the waits themselves are 4 s
+    for rank in (1, 2):
+        line = next((l for l in output.splitlines() if f"rank {rank} (drafter {rank - 1}): gave up" in l), None)
+        assert line is not None and "topology.timeout_s=4" in line, output[-3000:]
