@@ -122,12 +122,14 @@ class Trainer:
     """One rank of a run. Alone (no torchrun) it is target and drafter at once; under torchrun
     it is, by `topology`, a colocated data-parallel replica, a target rank or a drafter rank."""
 
-    def __init__(self, cfg: Config, log=print, *, target_config=None, build_target=None, dataset=None) -> None:
+    def __init__(self, cfg: Config, log=print, *, target_config=None, build_target=None, dataset=None,
+                 build_heads=None) -> None:
         """Builds the run from `cfg`. Benchmarks (bench.py) replace the target folder and the
         chat data with `target_config` (a transformers config of the target's shape),
         `build_target(layer_ids, need_logits) -> Target` and `dataset` (rows of input_ids,
         loss_mask, length); there is no tokenizer then, so drafter.mask_token_id must be set.
-        Injected parts are for one process holding both roles."""
+        A drafter-only rank of a disaggregated run calls `build_heads()` instead of
+        `build_target` (something with `embed(ids)` and `lm_head_weight`, as `TargetHeads`)."""
         from transformers import AutoConfig, AutoTokenizer
 
         from dflash_train.batching import BatchPlan, BatchStream
@@ -160,11 +162,13 @@ class Trainer:
         self.plan = plan
         self.assign = self.dist.assignment(cfg.train.grad_accum)
         self.split = cfg.topology.split_fc
-        if build_target is not None:
-            if not self.dist.is_target or not self.dist.is_drafter:
-                raise ConfigError(["an injected target (bench) runs with both roles in one process: "
-                                   "topology.mode=colocated"])
+        if build_target is not None and self.dist.is_target:
             self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
+        elif build_target is not None:
+            if build_heads is None:
+                raise ConfigError(["an injected target (bench) on a drafter rank needs build_heads: the "
+                                   "embedding and lm_head stand-in of a disaggregated run"])
+            self.target = build_heads()
         elif self.dist.is_target:
             self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
                                          need_logits=cfg.objective.labels == "target", compile=cfg.target.compile)
@@ -198,6 +202,9 @@ class Trainer:
             self.receiver = Receiver(self.dist) if self.dist.is_drafter else None
             self.waits_logged = None
         self.step = 0
+        self.checkpointing = True
+        """False (bench): no checkpoint is resumed or written and the after-save agreements are
+        skipped; set on every rank alike, so the ranks still agree step by step."""
         self.saved_step = None
         self.consecutive_skips = 0
         self.total_skipped = 0
@@ -280,6 +287,7 @@ class Trainer:
         only after the previous one's backward."""
         for index in self.assign.consumed(self.step, self.dist.drafter_index):
             if not self.dist.disaggregated:
+                self.timer.mark("data")
                 yield self.produce(index, self.stream[index])
             else:
                 self.timer.mark("receive")
@@ -367,7 +375,7 @@ class Trainer:
                     sink.log(record)
                 if stopping:
                     self.stop_on_faults(failure_stop)
-                if self.step % self.cfg.checkpoint.every == 0:
+                if self.checkpointing and self.step % self.cfg.checkpoint.every == 0:
                     self.save()
                     if not signalled:  # a signal during the save stops the run here, saved
                         signalled = bool(self.dist.agree([stop.requested is not None],
@@ -414,10 +422,11 @@ class Trainer:
             for index in self.assign.consumed(step, self.dist.drafter_index):
                 self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
 
-    def run_target(self) -> None:
+    def run_target(self, on_step=None) -> None:
         """A target rank of a disaggregated run: capture and send the batches of steps
         step+1, step+2, ..., at most `lag` steps ahead of the drafters, joining each step's stop
-        agreement (and checkpoint) when it falls due."""
+        agreement (and checkpoint) when it falls due. `on_step(step)` (bench) is called after
+        the batches of each 1-based step have been handed to the sender."""
         self.resume()
         self.warm_up()
         stop = ckpt.StopFlag().install()
@@ -433,8 +442,13 @@ class Trainer:
                 self.step = step - 1
                 for index in self.assign.produced(step - 1, me):
                     consumer = self.dist.drafter_ranks[self.assign.consumer(index)]
-                    self.sender.send(consumer, self.produce(index, self.stream[index]), self.split)
+                    self.timer.mark("data")
+                    shipment = self.produce(index, self.stream[index])
+                    self.timer.mark("send")
+                    self.sender.send(consumer, shipment, self.split)
                 self.timer.mark(None)
+                if on_step is not None:
+                    on_step(step)
                 self.faults.after_step(step)
             while outcome is None and joined < self.total_steps:
                 joined += 1
@@ -453,7 +467,7 @@ class Trainer:
         stopping = any(flags)
         if step % self.cfg.checkpoint.every == 0 or stopping or step == self.total_steps:
             self.save(step)
-        if step % self.cfg.checkpoint.every == 0 and not stopping:  # the drafters' after-save agreement
+        if self.checkpointing and step % self.cfg.checkpoint.every == 0 and not stopping:  # the drafters' after-save agreement
             flags[0] = self.dist.agree([stop.requested is not None], f"waiting for the drafter ranks after the "
                                        f"save of step {step}")[0]
         if flags[1] or flags[2]:
@@ -596,6 +610,8 @@ class Trainer:
         adds weights, optimizer, scheduler and config and makes it complete (meta.json, rename)."""
         step = self.step if step is None else step
         path = ckpt.checkpoint_root(self.out) / f"step-{step}"
+        if not self.checkpointing:
+            return path
         tmp = None
         if self.dist.world_size > 1:
             if self.dist.is_leader:
@@ -618,6 +634,8 @@ class Trainer:
 
     def resume(self) -> bool:
         """Restore the newest verified checkpoint, if any; every rank must find the same one."""
+        if not self.checkpointing:
+            return False
         found = ckpt.find_resumable(self.out, log=self.log) if self.out.is_dir() else None
         step = int(found.name[5:]) if found is not None else -1
         if self.dist.world_size > 1:
