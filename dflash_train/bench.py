@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,7 +136,9 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: 
 
 class RandomFeatureTarget:
     """The target's stand-in for `--drafter-only`: random features of the tapped width (one
-    tensor per batch shape, made once), random frozen embedding and lm_head; no forward runs."""
+    tensor per batch shape, made once), random frozen embedding and lm_head; no forward runs.
+    With no `layer_ids` it is the heads of a disaggregated bench's drafter rank (as
+    `target.TargetHeads`: embedding and lm_head of the target's shape, no features)."""
 
     def __init__(self, config, layer_ids: list[int], device: torch.device, dtype: torch.dtype, seed: int) -> None:
         gen = torch.Generator(device).manual_seed(seed)
@@ -249,6 +253,32 @@ def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_a
     return total
 
 
+def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int) -> int:
+    """`real_anchor_count` of a packed row (documents back to back, then padding): what a
+    drafter rank can count from a received shipment. Host only."""
+    mask = loss_mask_T.numpy().astype(bool)
+    total, start = 0, 0
+    for n in doc_lengths.tolist():
+        m = mask[start:start + n]
+        total += min(num_anchors, int((m[:-1] & m[1:]).sum()))
+        start += n
+    return total
+
+
+def wire_bytes(s) -> int:
+    """Bytes of one shipment between ranks (transport.py's wire format): the header, and unless
+    the target failed, the features, the [3, T] int64 ids / loss mask / labels and the int64
+    document lengths."""
+    from dflash_train.transport import HEADER_LEN
+
+    total = 8 * HEADER_LEN
+    if not s.failed:
+        parts = s.features if isinstance(s.features, list) else [s.features]
+        total += sum(p.numel() * p.element_size() for p in parts)
+        total += 8 * (3 * s.input_ids_T.numel() + s.doc_lengths.numel())
+    return total
+
+
 class WorkCounter:
     """Collects a step's work for the FLOP count without adding work to the step: the batches
     (host tensors) and, through a forward pre-hook on the drafter, views of the rope positions
@@ -259,7 +289,19 @@ class WorkCounter:
         self.drafter = drafter
         self.offsets: list[torch.Tensor] = []
         self.batches: list = []
+        self.shipments: list[tuple] = []  # (loss_mask_T, doc_lengths, padded_tokens, rows) on the device
+        self.bytes_sent = 0  # of the shipments watched, as they travel between ranks
         self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def watch(self, shipments):
+        """Pass `Trainer.micro_batches()` through, keeping what the count needs of every trained
+        shipment: device copies without a host sync (a drafter rank's receive buffers are
+        reused by the next batch), and the bytes each shipment takes on the wire."""
+        for s in shipments:
+            self.bytes_sent += wire_bytes(s)
+            if not s.failed:
+                self.shipments.append((s.loss_mask_T.clone(), s.doc_lengths.clone(), s.padded_tokens, s.rows))
+            yield s
 
     def _hook(self, module, args, kwargs) -> None:
         features = args[0] if args else kwargs["target_hidden"]
@@ -269,20 +311,27 @@ class WorkCounter:
     def reset(self) -> None:
         self.offsets.clear()
         self.batches.clear()
+        self.shipments.clear()
+        self.bytes_sent = 0
 
     def count(self, num_anchors: int, loss_rows: int) -> WorkCount:
-        assert len(self.offsets) == len(self.batches), "one drafter forward per micro-batch"
         B = self.drafter.block_size
         config = self.drafter.config
         kinds = {kind: config.layer_types.count(kind) for kind in set(config.layer_types)}
         work = WorkCount(loss_rows=loss_rows)
+        # (sample lengths, padded target tokens, rows, real anchors) of every micro-batch
+        micro = [(b.lengths, b.input_ids.numel(), b.batch_size, real_anchor_count(b.loss_mask, b.lengths, num_anchors))
+                 for b in self.batches]
+        for mask_T, docs, padded, rows in self.shipments:  # host syncs: after timing
+            docs = docs.cpu()
+            micro.append((docs, padded, rows, packed_anchor_count(mask_T.cpu(), docs, num_anchors)))
+        assert len(self.offsets) == len(micro), "one drafter forward per micro-batch"
         pairs = []
-        for batch, offsets_N in zip(self.batches, self.offsets):
-            real = real_anchor_count(batch.loss_mask, batch.lengths, num_anchors)
-            work.samples += batch.batch_size
-            work.sample_lengths += batch.lengths.tolist()
-            work.context_tokens += int(batch.lengths.sum())
-            work.padded_tokens += batch.input_ids.numel()
+        for (lengths, padded, rows, real), offsets_N in zip(micro, self.offsets):
+            work.samples += rows
+            work.sample_lengths += lengths.tolist()
+            work.context_tokens += int(lengths.sum())
+            work.padded_tokens += padded
             work.block_rows += real * B
             for kind, num_layers in kinds.items():
                 window = None if kind == FULL_ATTENTION else config.sliding_window
@@ -404,7 +453,9 @@ def build_trainer(workload: str, overrides: list[str], drafter_only: bool = Fals
         build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
         build = build_random_target(config, device, dtype, seed, cfg.target.compile)
-    trainer = Trainer(cfg, log=log, target_config=config, build_target=build,
+    # Built inside Trainer, after the rank's device is current: a bare "cuda" means that device.
+    heads = lambda: RandomFeatureTarget(config, [], device, dtype, seed)  # noqa: E731 (disaggregated drafter ranks)
+    trainer = Trainer(cfg, log=log, target_config=config, build_target=build, build_heads=heads,
                       dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed))
     return trainer, config
 
@@ -421,6 +472,10 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
             raise ConfigError([f"{name} must be >= {1 if name == '--steps' else 0}, got {value}"])
     wl = WORKLOADS[workload]
     overrides = list(overrides or [])
+    if world_size() > 1:
+        if drafter_only:
+            raise ConfigError(["--drafter-only runs in one process: drop it or launch without torchrun"])
+        return run_bench_distributed(workload, steps, warmup, overrides, peak_tflops, log)
     started = time.perf_counter()
     trainer, config = build_trainer(workload, overrides, drafter_only, log)
     cfg, device = trainer.cfg, trainer.device
@@ -508,6 +563,186 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     return report
 
 
+# --------------------------------------------------------------------------- under torchrun
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE; 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_bench_distributed(workload: str, steps: int | None, warmup: int | None, overrides: list[str],
+                          peak_tflops: float | None, log=print) -> dict | None:
+    """One rank of a bench under torchrun (topology.mode colocated or disaggregated): every rank
+    builds the workload's Trainer, the run is cut to warm-up + timed steps with checkpoints off,
+    drafter ranks (colocated: every rank) take `Trainer.train_step` and the per-step stop
+    agreement as `Trainer.run` does, target ranks run `Trainer.run_target`. Each rank measures
+    its own side; global rank 0 gathers them (control group) and returns the report, the other
+    ranks None."""
+    import torch.distributed as tdist
+
+    say = log if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    wl = WORKLOADS[workload]
+    started = time.perf_counter()
+    trainer, config = build_trainer(workload, overrides, False, log)
+    d = trainer.dist
+    say(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {d.world_size} ranks "
+        f"({len(d.target_ranks)} target, {len(d.drafter_ranks)} drafter; {trainer.cfg.topology.mode})")
+    trainer.checkpointing = False  # no resume from output_dir, no checkpoint, no export
+    if warmup is None:
+        warmup = wl.warmup if wl.warmup is not None else math.ceil(trainer.plan.num_batches / trainer.assign.micro_per_step)
+    num_steps = steps or wl.steps
+    trainer.total_steps = warmup + num_steps  # target ranks stop producing after the timed steps
+    if d.is_drafter:
+        own = _drafter_side(trainer, config, warmup, num_steps, say)
+    else:
+        own = _target_side(trainer, warmup, num_steps)
+    own.update(rank=d.rank, role=d.role, peak_memory_gib=_peak_memory(trainer.device))
+    gathered = [None] * d.world_size if d.rank == 0 else None
+    tdist.gather_object(own, gathered, dst=0, group=d.control)
+    device = trainer.device
+    d.close()
+    if d.rank != 0:
+        return None
+    return _combine(workload, trainer, gathered, warmup, num_steps, overrides, peak_flops(device, peak_tflops))
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict:
+    """A drafter (or colocated) rank: warm-up steps, then timed steps of `train_step` on
+    `micro_batches()` (made here, or received) followed by the stop agreement, as in
+    `Trainer.run`; its stage times, receive wait, bytes received and useful FLOPs."""
+    from dflash_train.checkpoint import StopFlag
+
+    cfg, device = trainer.cfg, trainer.device
+    counter = WorkCounter(trainer.drafter)
+    stop = StopFlag()  # not installed: a bench takes no signals, so nobody asks to stop
+
+    def step() -> bool:
+        result = trainer.train_step(counter.watch(trainer.micro_batches()))
+        trainer.step += 1
+        trainer.agree_stop(stop, False, False, False)
+        return result.applied
+
+    trainer.warm_up()
+    started = time.perf_counter()
+    for _ in range(num_warmup):
+        step()
+    _sync(device)
+    say(f"bench: {num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
+    trainer.timer.flush()
+    trainer.acc.reset()
+    counter.reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    receiver = getattr(trainer, "receiver", None)
+    recv_wait = receiver.wait_s if receiver is not None else 0.0
+    graphs_before = _compiled_graphs()
+    applied = 0
+    started = time.perf_counter()
+    for _ in range(num_steps):
+        applied += step()
+    _sync(device)
+    wall = time.perf_counter() - started
+    compiles = _compiled_graphs() - graphs_before
+    stage_total = trainer.timer.flush()
+    trainer.drain()
+    loss_rows = int(trainer.acc.count_K.sum())  # host sync: after timing
+    work = counter.count(cfg.objective.num_anchors, loss_rows)
+    counter.handle.remove()
+    dr = trainer.drafter
+    target_layers = config.num_hidden_layers if cfg.objective.labels == "target" else max(dr.target_layer_ids) + 1
+    # The target forward is counted from the samples this rank trained on, wherever it ran.
+    flops = useful_flops(work, Shape.of(config), target_layers, cfg.objective.labels == "target", Shape.of(dr.config),
+                         dr.config.num_hidden_layers, len(dr.target_layer_ids))
+    return {
+        "wall_s": wall, "stage_s": {k: v / num_steps for k, v in stage_total.items()},
+        "recv_wait_s_per_step": (receiver.wait_s - recv_wait) / num_steps if receiver is not None else None,
+        "bytes": counter.bytes_sent if receiver is not None else None,
+        "flops": flops, "samples": work.samples, "context_tokens": work.context_tokens,
+        "padded_tokens": work.padded_tokens, "attention_pairs": work.attention_pairs,
+        "applied": applied, "compiles": compiles,
+    }
+
+
+def _target_side(trainer, num_warmup: int, num_steps: int) -> dict:
+    """A target rank of a disaggregated run: `Trainer.run_target` over warm-up + timed steps;
+    its stage times and send wait over the steps after the warm-up ones (it may run up to
+    `lag` steps ahead of the drafters, so its window is its own)."""
+    window = {"send_wait": 0.0, "started": time.perf_counter()}
+
+    def on_step(step: int) -> None:
+        if step == num_warmup:
+            trainer.timer.flush()
+            window.update(send_wait=trainer.sender.wait_s, started=time.perf_counter())
+
+    trainer.run_target(on_step)
+    return {"wall_s": time.perf_counter() - window["started"],
+            "stage_s": {k: v / num_steps for k, v in trainer.timer.flush().items()},
+            "send_wait_s_per_step": (trainer.sender.wait_s - window["send_wait"]) / num_steps}
+
+
+def _combine(workload: str, trainer, ranks: list[dict], num_warmup: int, num_steps: int, overrides: list[str],
+             peak: float | None) -> dict:
+    """The report of a torchrun bench from every rank's own figures (in rank order)."""
+    d = trainer.dist
+    drafters = [r for r in ranks if r["role"] != "target"]
+    targets = [r for r in ranks if r["role"] == "target"]
+    wall = max(r["wall_s"] for r in drafters)
+    samples = sum(r["samples"] for r in drafters)
+    flops = {k: sum(r["flops"][k] for r in drafters) for k in drafters[0]["flops"]}
+    total_flops = sum(flops.values())
+    stage_s = drafters[0]["stage_s"]
+    stage_sum = sum(stage_s.values()) or 1.0
+    moved = None if not d.disaggregated else sum(r["bytes"] for r in drafters)
+    return {
+        "workload": workload,
+        "drafter_only": False,
+        "world_size": d.world_size,
+        "mode": trainer.cfg.topology.mode,
+        "num_target_ranks": len(d.target_ranks),
+        "num_drafter_ranks": len(d.drafter_ranks),
+        "samples_per_s": samples / wall,
+        "samples_per_s_per_gpu": samples / wall / d.world_size,
+        "ms_per_sample": 1000.0 * wall / max(samples, 1),
+        "target_tokens_per_s": sum(r["context_tokens"] for r in drafters) / wall,
+        "target_padded_tokens_per_s": sum(r["padded_tokens"] for r in drafters) / wall,
+        "step_s": wall / num_steps,
+        "stage_s": stage_s,
+        "stage_share": {k: v / stage_sum for k, v in stage_s.items()},
+        "target_stage_s": targets[0]["stage_s"] if targets else None,
+        "wait_s_per_step": None if not d.disaggregated else {
+            "drafter_recv": [r["recv_wait_s_per_step"] for r in drafters],
+            "target_send": [r["send_wait_s_per_step"] for r in targets]},
+        "transfer_bytes_per_step": None if moved is None else moved / num_steps,
+        "transfer_gbytes_per_s": None if moved is None else moved / wall / 1e9,
+        "mfu": total_flops / (wall * peak * d.world_size) if peak else None,
+        "useful_tflops_per_s": total_flops / wall / 1e12,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "flops_per_sample": {**{k: v / max(samples, 1) for k, v in flops.items()}, "total": total_flops / max(samples, 1)},
+        "attention_pairs_per_sample": sum(r["attention_pairs"] for r in drafters) / max(samples, 1),
+        "samples": samples,
+        "samples_per_step": samples / num_steps,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in ranks),
+        "gpu_idle_share": None,
+        "steps": num_steps,
+        "warmup_steps": num_warmup,
+        "skipped_steps": num_steps - min(r["applied"] for r in drafters),
+        "compiles_during_timing": max(r["compiles"] for r in drafters),
+        "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "overrides": overrides,
+    }
+
+
 def format_report(r: dict) -> list[str]:
     """The human-readable lines printed above the JSON line."""
     def opt(value, fmt):
@@ -525,6 +760,17 @@ def format_report(r: dict) -> list[str]:
     ]
     lines += [f"  {k:<15} {v:>7.4f}  {r['stage_share'][k]:>6.1%}" for k, v in r["stage_s"].items()]
     lines.append("useful FLOPs per sample: " + ", ".join(f"{k} {v:.3e}" for k, v in r["flops_per_sample"].items()))
+    if "world_size" in r:
+        lines.insert(1, f"{r['world_size']} ranks, {r['mode']}: {r['num_target_ranks']} target, "
+                        f"{r['num_drafter_ranks']} drafter | samples/s per GPU {r['samples_per_s_per_gpu']:.2f}")
+        if r["target_stage_s"] is not None:
+            lines.append("target rank 0: " + ", ".join(f"{k} {v:.4f}" for k, v in r["target_stage_s"].items())
+                         + " s/step")
+        if r["wait_s_per_step"] is not None:
+            w = r["wait_s_per_step"]
+            lines.append(f"waits s/step: drafter receive {[round(v, 4) for v in w['drafter_recv']]}, target send "
+                         f"{[round(v, 4) for v in w['target_send']]} | transfer "
+                         f"{r['transfer_bytes_per_step'] / 1e6:.1f} MB/step, {r['transfer_gbytes_per_s']:.3f} GB/s")
     if r["skipped_steps"]:
         lines.append(f"warning: {r['skipped_steps']} timed steps were skipped as non-finite (no optimizer step)")
     if r["compiles_during_timing"]:
@@ -537,6 +783,9 @@ def run_cli(args) -> int:
 
     output = Path(args.output) if args.output else None
     summary = None
+    if args.profile and world_size() > 1:
+        print("dflash-train bench: --profile is for one process: launch without torchrun", file=sys.stderr)
+        return 2
     if args.profile:
         summary = (output.parent if output else Path(".")) / f"bench-{args.workload}-kernels.txt"
     try:
@@ -546,6 +795,8 @@ def run_cli(args) -> int:
     except ConfigError as err:
         print(f"dflash-train bench: {err}", file=sys.stderr)
         return 2
+    if report is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     for line in format_report(report):
         print(line)
     if summary is not None and summary.exists():
