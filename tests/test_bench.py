@@ -134,3 +134,67 @@ def test_busy_time_is_the_union_of_intervals_inside_the_window():
     assert bench.busy_time([(-5, 1), (9, 20)], (0, 10)) == 2  # clipped to the window
     assert bench.busy_time([], (0, 10)) == 0
     assert bench.busy_time([(3, 4), (1, 2), (1.5, 3.5)], (0, 10)) == 3  # unsorted input
+
+
+def test_packed_anchor_count_equals_the_padded_batch_count():
+    gen = torch.Generator().manual_seed(5)
+    rows, L = 6, 25
+    lengths = torch.randint(2, L + 1, (rows,), generator=gen)
+    loss_mask = (torch.rand(rows, L, generator=gen) < 0.7) & (torch.arange(L)[None, :] < lengths[:, None])
+    packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)] + [torch.ones(7, dtype=torch.bool)])
+    for k in (1, 4, 40):  # the trailing padding (set here on purpose) belongs to no document
+        assert bench.packed_anchor_count(packed, lengths, k) == bench.real_anchor_count(loss_mask, lengths, k)
+
+
+DIST_KEYS = REPORT_KEYS | {"world_size", "mode", "num_target_ranks", "num_drafter_ranks", "samples_per_s_per_gpu",
+                           "target_stage_s", "wait_s_per_step", "transfer_bytes_per_step", "transfer_gbytes_per_s"}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): one JSON line from rank 0 alone, throughput over both
+    ranks, and in the 1 + 1 split the target's stages, both queue waits and the bytes that
+    crossed, equal to transport.py's wire format of what was trained on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    steps = 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dflash_train.cli", "bench", "--workload", "tiny", "--steps", str(steps), "--warmup", "1",
+           "--peak-tflops", "1", "--output", str(tmp_path / "bench.json"), "train.num_threads=1",
+           f"topology.mode={mode}"] + (["topology.num_target_ranks=1"] if mode == "disaggregated" else [])
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert sum(line.startswith("{") for line in lines) == 1  # rank 0 alone reports
+    report = json.loads(lines[-1])
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    assert DIST_KEYS <= set(report)
+    assert report["world_size"] == 2 and report["mode"] == mode and report["steps"] == steps
+    assert report["samples_per_s"] > 0
+    assert report["samples_per_s_per_gpu"] == pytest.approx(report["samples_per_s"] / 2)
+    assert report["mfu"] == pytest.approx(report["useful_tflops_per_s"] / (1.0 * 2))
+    assert all(v > 0 for v in report["flops_per_sample"].values())
+    assert report["samples"] == steps * report["samples_per_step"] and report["skipped_steps"] == 0
+    if mode == "colocated":
+        assert (report["num_target_ranks"], report["num_drafter_ranks"]) == (2, 2)
+        assert {"data", "target", "pack", "backward"} <= set(report["stage_s"])
+        assert report["target_stage_s"] is None and report["wait_s_per_step"] is None
+        assert report["transfer_bytes_per_step"] is None
+        return
+    assert (report["num_target_ranks"], report["num_drafter_ranks"]) == (1, 1)
+    assert "receive" in report["stage_s"] and "target" not in report["stage_s"]
+    assert set(report["target_stage_s"]) == {"data", "target", "pack", "send"}
+    waits = report["wait_s_per_step"]
+    assert len(waits["drafter_recv"]) == 1 and len(waits["target_send"]) == 1
+    assert all(v >= 0 for v in waits["drafter_recv"] + waits["target_send"])
+    # One micro-batch per step: header, fp32 features [T, taps*H] padded to the token budget,
+    # int64 [3, T] ids / mask / labels, int64 document lengths (one per sample).
+    T, F = 512, 2 * 64
+    per_step = 8 * 16 + 4 * T * F + 8 * 3 * T + 8 * report["samples_per_step"]
+    assert report["transfer_bytes_per_step"] == pytest.approx(per_step)
+    assert report["transfer_gbytes_per_s"] == pytest.approx(per_step * steps / (report["step_s"] * steps) / 1e9)
