@@ -202,9 +202,9 @@ class Trainer:
             self.receiver = Receiver(self.dist) if self.dist.is_drafter else None
             self.waits_logged = None
         self.step = 0
+        # False (bench): no checkpoint is resumed or written and the after-save agreements are
+        # skipped; set on every rank alike, so the ranks still agree step by step.
         self.checkpointing = True
-        """False (bench): no checkpoint is resumed or written and the after-save agreements are
-        skipped; set on every rank alike, so the ranks still agree step by step."""
         self.saved_step = None
         self.consecutive_skips = 0
         self.total_skipped = 0
