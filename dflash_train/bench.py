@@ -62,7 +62,8 @@ WORKLOADS: dict[str, Workload] = {
         "Qwen3-8B-shaped target, 5-layer drafter, block 16, 768-token samples (last half "
         "supervised), 256 anchors per sample",
         QWEN3_8B,
-        {"drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        {"target": {"compile": True}, "train": {"compile": True},  # as configs/qwen3-8b.yaml
+         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
          "data": {"max_length": 768, "token_budget": 6144, "bucket_boundaries": [768]},
          "objective": {"num_anchors": 256}},
         lengths=(768, 768), num_samples=128, warmup=5, steps=20,
@@ -71,7 +72,8 @@ WORKLOADS: dict[str, Workload] = {
         "Qwen3-8B-shaped target, 5-layer drafter, block 16, lengths uniform in 256..3072 "
         "(last half supervised), 512 anchors per sample, 8 length buckets",
         QWEN3_8B,
-        {"drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        {"target": {"compile": True}, "train": {"compile": True},  # as configs/qwen3-8b.yaml
+         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
          "data": {"max_length": 3072, "token_budget": 8192, "max_batch_size": 32, "num_buckets": 8},
          "objective": {"num_anchors": 512}},
         lengths=(256, 3072), num_samples=256, warmup=None, steps=20,
