@@ -410,6 +410,21 @@ def run_step(trainer, counter: WorkCounter):
     return result
 
 
+def warm_up_steps(trainer, counter, step, num_warmup: int, log) -> None:
+    """Run `num_warmup` untimed steps (compilation, allocator), then clear what the timed steps
+    measure: stage timers, metric sums, the work count and the peak-memory mark."""
+    started = time.perf_counter()
+    for _ in range(num_warmup):
+        step()
+    _sync(trainer.device)
+    log(f"{num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
+    trainer.timer.flush()
+    trainer.acc.reset()
+    counter.reset()
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+
+
 def peak_flops(device: torch.device, given_tflops: float | None) -> float | None:
     if given_tflops is not None:
         return given_tflops * 1e12
@@ -487,17 +502,8 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
         trainer.warm_up()
     num_warmup = warmup if warmup is not None else (wl.warmup if wl.warmup is not None else trainer.plan.num_batches)
     num_steps = steps or wl.steps
-    started = time.perf_counter()
-    for _ in range(num_warmup):
-        run_step(trainer, counter)
-    _sync(device)
-    log(f"bench {workload}: {num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
-
-    trainer.timer.flush()
-    trainer.acc.reset()
-    counter.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    warm_up_steps(trainer, counter, lambda: run_step(trainer, counter), num_warmup,
+                  lambda text: log(f"bench {workload}: {text}"))
     graphs_before = _compiled_graphs()
     applied = 0
     started = time.perf_counter()
@@ -634,16 +640,7 @@ def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict
         return result.applied
 
     trainer.warm_up()
-    started = time.perf_counter()
-    for _ in range(num_warmup):
-        step()
-    _sync(device)
-    say(f"bench: {num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
-    trainer.timer.flush()
-    trainer.acc.reset()
-    counter.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    warm_up_steps(trainer, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
     receiver = getattr(trainer, "receiver", None)
     recv_wait = receiver.wait_s if receiver is not None else 0.0
     graphs_before = _compiled_graphs()
