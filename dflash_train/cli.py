@@ -200,7 +200,14 @@ def add_bench_command(commands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes one run of positionals: overrides on both sides of an option
+    # (`a=1 --output-dir D b=2`) leave the second run over; it belongs to the overrides too.
+    if extra:
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from dflash_train import __version__
 

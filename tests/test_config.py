@@ -79,3 +79,15 @@ def test_unknown_key_does_not_hide_other_mistakes_of_its_section(tmp_path):
     problems = err.value.problems
     assert len(problems) == 3
     assert "optim.lrr" in problems[0] and "optim.lr must be > 0" in problems[1] and "warmup_ratio" in problems[2]
+
+
+def test_cli_takes_overrides_on_both_sides_of_an_option(monkeypatch):
+    from dflash_train import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run_train", lambda args: seen.append((args.output_dir, args.overrides)) or 0)
+    assert cli.main(["train", "optim.lr=1e-3", "--output-dir", "x", "train.grad_accum=2", "log.every=5"]) == 0
+    assert seen == [("x", ["optim.lr=1e-3", "train.grad_accum=2", "log.every=5"])]
+    with pytest.raises(SystemExit) as stop:  # anything else left over is still an error
+        cli.main(["train", "optim.lr=1e-3", "--output-dir", "x", "--no-such-flag"])
+    assert stop.value.code == 2

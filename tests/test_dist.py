@@ -109,6 +109,19 @@ def test_one_target_two_drafters_equal_one_process(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_colocated_two_ranks_are_data_parallel_over_the_same_batches(reference, tmp_path):
+    """Colocated on 2 ranks: each a target + drafter replica on its own micro-batches, gradients
+    summed over ranks: the losses of one process with grad_accum 2."""
+    done = run(torchrun(tmp_path, 2))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert abs(got[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, got[step], loss)
+    assert {f"rank-{r}.json" for r in range(2)} <= {p.name for p in (tmp_path / "checkpoints" / f"step-{STEPS}").iterdir()}
+
+
+@pytest.mark.slow
 def test_two_targets_split_fc_sigterm_to_one_rank_then_exact_resume(reference, tmp_path):
     """2 targets + 1 drafter (grad_accum 2), the fc concat and noise on the drafter side; target
     rank 1 gets SIGTERM after producing step 7: every rank stops at one step, a checkpoint is
