@@ -57,13 +57,17 @@ class Workload:
     """Share of each sample, at its end, that carries loss (the assistant part)."""
 
 
+# The settings of configs/qwen3-8b.yaml that both 8B workloads share (compiled target and
+# drafter layers, the 5-layer block-16 drafter; Qwen3's first unused token as the mask).
+QWEN3_8B_RUN = {"target": {"compile": True}, "train": {"compile": True},
+                "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669}}
+
 WORKLOADS: dict[str, Workload] = {
     "w2": Workload(
         "Qwen3-8B-shaped target, 5-layer drafter, block 16, 768-token samples (last half "
         "supervised), 256 anchors per sample",
         QWEN3_8B,
-        {"target": {"compile": True}, "train": {"compile": True},  # as configs/qwen3-8b.yaml
-         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        {**QWEN3_8B_RUN,
          "data": {"max_length": 768, "token_budget": 6144, "bucket_boundaries": [768]},
          "objective": {"num_anchors": 256}},
         lengths=(768, 768), num_samples=128, warmup=5, steps=20,
@@ -72,8 +76,7 @@ WORKLOADS: dict[str, Workload] = {
         "Qwen3-8B-shaped target, 5-layer drafter, block 16, lengths uniform in 256..3072 "
         "(last half supervised), 512 anchors per sample, 8 length buckets",
         QWEN3_8B,
-        {"target": {"compile": True}, "train": {"compile": True},  # as configs/qwen3-8b.yaml
-         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        {**QWEN3_8B_RUN,
          "data": {"max_length": 3072, "token_budget": 8192, "max_batch_size": 32, "num_buckets": 8},
          "objective": {"num_anchors": 512}},
         lengths=(256, 3072), num_samples=256, warmup=None, steps=20,
