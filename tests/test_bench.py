@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dflash_train import bench, cli
+from dflash_train import bench, cli, flops
 from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
 
 from conftest import random_packed_row
@@ -37,10 +37,10 @@ def test_bench_tiny_prints_one_json_line_last(tmp_path, capsys):
     assert sum(report["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
     # The stages tile the step: their sum is the measured step time (up to clock overhead).
     assert sum(report["stage_s"].values()) == pytest.approx(report["step_s"], rel=0.05)
-    flops = report["flops_per_sample"]
-    assert {"target_forward", "drafter_forward", "drafter_backward", "lm_head", "total"} <= set(flops)
-    assert all(flops[k] > 0 for k in flops)
-    assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
+    per_sample = report["flops_per_sample"]
+    assert {"target_forward", "drafter_forward", "drafter_backward", "lm_head", "total"} <= set(per_sample)
+    assert all(per_sample[k] > 0 for k in per_sample)
+    assert per_sample["total"] == pytest.approx(sum(v for k, v in per_sample.items() if k != "total"))
     assert report["mfu"] is None and report["gpu_idle_share"] is None  # CPU: no peak, no profiler window
     assert report["skipped_steps"] == 0 and report["compiles_during_timing"] == 0
     assert report["peak_memory_gib"] > 0 and report["device"] == "cpu"
@@ -59,23 +59,23 @@ def test_bench_refuses_bad_input_naming_the_field(capsys):
 
 
 def test_useful_flops_on_hand_computed_numbers():
-    shape = bench.Shape(hidden=4, intermediate=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    shape = flops.Shape(hidden=4, intermediate=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
     # q,o: 2 * 4*2*2 = 32; gate, up, down: 3 * 4*6 = 72; k,v: 2 * 4*1*2 = 16; per pair 4*2*2 = 16.
     assert (shape.qo_mlp_params, shape.kv_params, shape.pair_flops) == (104, 16, 16)
-    work = bench.WorkCount(samples=2, sample_lengths=[2, 3], context_tokens=5, block_rows=8,
+    work = flops.WorkCount(samples=2, sample_lengths=[2, 3], context_tokens=5, block_rows=8,
                            attention_pairs=20, loss_rows=6)
-    flops = bench.useful_flops(work, shape, target_layers=3, target_lm_head=False, drafter=shape,
-                               drafter_layers=2, num_taps=3)
+    counted = flops.useful_flops(work, shape, target_layers=3, target_lm_head=False, drafter=shape,
+                                 drafter_layers=2, num_taps=3)
     # target, per layer: linears 2*(104+16)*5 = 1200, causal pairs 16*(3+6) = 144; 3 layers.
-    assert flops["target_forward"] == 3 * (1200 + 144)
+    assert counted["target_forward"] == 3 * (1200 + 144)
     # drafter: fc 2*(3*4)*4*5 = 480; per layer 2*104*8 + 2*16*(5+8) = 2080, 2 layers; pairs 16*20.
-    assert flops["drafter_forward"] == 480 + 2 * 2080 + 320
+    assert counted["drafter_forward"] == 480 + 2 * 2080 + 320
     # backward: twice the layers and attention, fc's weight gradient once.
-    assert flops["drafter_backward"] == 2 * (4160 + 320) + 480
-    assert flops["lm_head"] == 4 * 4 * 10 * 6  # forward + input gradient on 6 loss rows
-    with_head = bench.useful_flops(work, shape, 3, True, shape, 2, 3)
+    assert counted["drafter_backward"] == 2 * (4160 + 320) + 480
+    assert counted["lm_head"] == 4 * 4 * 10 * 6  # forward + input gradient on 6 loss rows
+    with_head = flops.useful_flops(work, shape, 3, True, shape, 2, 3)
     assert with_head["target_forward"] == 3 * 1344 + 2 * 4 * 10 * 5
-    assert bench.useful_flops(work, shape, 3, False, shape, 2, 3, target_ran=False)["target_forward"] == 0
+    assert flops.useful_flops(work, shape, 3, False, shape, 2, 3, target_ran=False)["target_forward"] == 0
 
 
 @pytest.mark.parametrize("window", [None, 5, 12])
@@ -97,7 +97,7 @@ def test_work_counted_from_a_real_step_matches_the_step_itself():
     """The counter sees only the drafter's inputs and the host batches; compare it with what
     the step really built: the dense mask (CPU) and the anchors sample_anchors drew."""
     trainer, _ = bench.build_trainer("tiny", ["objective.noise=none"], log=lambda *a: None)
-    counter = bench.WorkCounter(trainer.drafter)
+    counter = flops.WorkCounter(trainer.drafter)
     seen = []
     trainer.drafter.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((args[1].shape[1], kwargs["attention_mask"])), with_kwargs=True)
@@ -106,7 +106,7 @@ def test_work_counted_from_a_real_step_matches_the_step_itself():
     work = counter.count(trainer.cfg.objective.num_anchors, loss_rows)
     (batch,) = counter.batches
     B = trainer.block_size
-    real = bench.real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
+    real = flops.real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
     (q_len, masks), = seen
     dense = masks["full_attention"]
     assert dense.shape[0] == q_len and q_len >= real * B
@@ -126,7 +126,7 @@ def test_real_anchor_count_matches_sample_anchors():
     packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)])
     for k in (1, 3, 50):
         drawn = sample_anchors(packed, lengths, k, step_generator(0, k), pad_to_multiple=4)
-        assert bench.real_anchor_count(loss_mask, lengths, k) == int((drawn >= 0).sum())
+        assert flops.real_anchor_count(loss_mask, lengths, k) == int((drawn >= 0).sum())
 
 
 def test_busy_time_is_the_union_of_intervals_inside_the_window():
@@ -143,7 +143,7 @@ def test_packed_anchor_count_equals_the_padded_batch_count():
     loss_mask = (torch.rand(rows, L, generator=gen) < 0.7) & (torch.arange(L)[None, :] < lengths[:, None])
     packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)] + [torch.ones(7, dtype=torch.bool)])
     for k in (1, 4, 40):  # the trailing padding (set here on purpose) belongs to no document
-        assert bench.packed_anchor_count(packed, lengths, k) == bench.real_anchor_count(loss_mask, lengths, k)
+        assert flops.packed_anchor_count(packed, lengths, k) == flops.real_anchor_count(loss_mask, lengths, k)
 
 
 DIST_KEYS = REPORT_KEYS | {"world_size", "mode", "num_target_ranks", "num_drafter_ranks", "samples_per_s_per_gpu",
