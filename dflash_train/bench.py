@@ -25,6 +25,7 @@ import torch
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.flops import Shape, WorkCounter, peak_flops, useful_flops
+from dflash_train.metrics import peak_memory_gib
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -219,15 +220,9 @@ def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> fl
 
 
 def run_step(trainer, counter: WorkCounter):
-    """One optimizer step exactly as `Trainer.run` takes it: next batches, `train_step`."""
-    def micro_batches():  # Trainer.micro_batches (colocated), keeping each host batch for the count
-        for index in trainer.assign.consumed(trainer.step, trainer.dist.drafter_index):
-            trainer.timer.mark("data")
-            batch = trainer.stream[index]
-            counter.batches.append(batch)
-            yield trainer.produce(index, batch)
-
-    result = trainer.train_step(micro_batches())
+    """One optimizer step exactly as `Trainer.run` takes it: `train_step` on this step's
+    `micro_batches()`, which the counter watches."""
+    result = trainer.train_step(counter.watch(trainer.micro_batches()))
     trainer.step += 1
     return result
 
@@ -329,12 +324,7 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     loss_rows = int(trainer.acc.count_K.sum())  # host sync: after timing
     trainer.acc.reset()
     work = counter.count(cfg.objective.num_anchors, loss_rows)
-    if device.type == "cuda":
-        peak_memory = torch.cuda.max_memory_allocated(device) / 2**30
-    else:
-        import resource
-
-        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak_memory = peak_memory_gib(device)
     counter.handle.remove()
 
     idle = None
@@ -418,7 +408,7 @@ def run_bench_distributed(workload: str, steps: int | None, warmup: int | None, 
         own = _drafter_side(trainer, config, warmup, num_steps, say)
     else:
         own = _target_side(trainer, warmup, num_steps)
-    own.update(rank=d.rank, role=d.role, peak_memory_gib=_peak_memory(trainer.device))
+    own.update(rank=d.rank, role=d.role, peak_memory_gib=peak_memory_gib(trainer.device))
     gathered = [None] * d.world_size if d.rank == 0 else None
     tdist.gather_object(own, gathered, dst=0, group=d.control)
     device = trainer.device
@@ -426,14 +416,6 @@ def run_bench_distributed(workload: str, steps: int | None, warmup: int | None, 
     if d.rank != 0:
         return None
     return _combine(workload, trainer, gathered, warmup, num_steps, overrides, peak_flops(device, peak_tflops))
-
-
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict:

@@ -127,11 +127,16 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--seed", type=int, default=0, help="sampling seed")
     regen.add_argument("--limit", type=int, default=None, metavar="N",
                        help="stop after N more records (the output stays resumable)")
-    regen.add_argument("--workers", type=int, default=1, metavar="N",
-                       help="regenerate chunks in N processes, each with its own target copy (round-robin over "
-                       "visible GPUs with --device cuda); the output equals --workers 1's (default %(default)s)")
+    add_workers_argument(regen, "regenerate chunks", "target copy", "the output equals --workers 1's")
     regen.set_defaults(func=regenerate.run_regenerate)
 
+
+
+def add_workers_argument(parser, what: str, copy: str, same: str) -> None:
+    """`--workers N` of the commands that spread work over processes (workers.parallel_map)."""
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help=f"{what} in N processes, each with its own {copy} (round-robin over visible "
+                        f"GPUs with --device cuda); {same} (default %(default)s)")
 
 
 def add_eval_command(commands) -> None:
@@ -163,10 +168,7 @@ def add_eval_command(commands) -> None:
     ev.add_argument("--speedup-turns", type=int, default=evaluate.DEFAULT_SPEEDUP_TURNS, metavar="K",
                     help="the speedup times the first K turns of each set, both decoders in one process with "
                     "nothing else running (default %(default)s)")
-    ev.add_argument("--workers", type=int, default=1, metavar="N",
-                    help="decode the prompts in N processes, each with its own target and drafter copy "
-                    "(round-robin over visible GPUs with --device cuda); results equal --workers 1's "
-                    "(default %(default)s)")
+    add_workers_argument(ev, "decode the prompts", "target and drafter copy", "results equal --workers 1's")
     ev.set_defaults(func=evaluate.run_eval)
 
 

@@ -99,19 +99,10 @@ def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_h
     }
 
 
-def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
-    """Anchors `masks.sample_anchors` draws for a batch: per sample, min(num_anchors, positions
-    p with p and p + 1 supervised). Host only; used to count real blocks."""
-    total = 0
-    for row, n in zip(loss_mask_bL.numpy(), lengths_b.tolist()):
-        m = row[:n].astype(bool)
-        total += min(num_anchors, int((m[:-1] & m[1:]).sum()))
-    return total
-
-
 def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int) -> int:
-    """`real_anchor_count` of a packed row (documents back to back, then padding): what a
-    drafter rank can count from a received shipment. Host only."""
+    """Anchors `masks.sample_anchors` draws for a packed row (documents back to back, then
+    padding): per document, min(num_anchors, positions p with p and p + 1 supervised). What a
+    drafter rank counts from the shipment it trained on. Host only."""
     mask = loss_mask_T.numpy().astype(bool)
     total, start = 0, 0
     for n in doc_lengths.tolist():
@@ -136,15 +127,14 @@ def wire_bytes(s) -> int:
 
 
 class WorkCounter:
-    """Collects a step's work for the FLOP count without adding work to the step: the batches
-    (host tensors) and, through a forward pre-hook on the drafter, views of the rope positions
-    of its block rows, whose first column is each anchor's offset in its document (0 for
-    padding blocks): the context keys its rows see (masks.visible_pairs)."""
+    """Collects a step's work for the FLOP count without adding work to the step: the
+    shipments it trained on (`watch`) and, through a forward pre-hook on the drafter, views of
+    the rope positions of its block rows, whose first column is each anchor's offset in its
+    document (0 for padding blocks): the context keys its rows see (masks.visible_pairs)."""
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.offsets: list[torch.Tensor] = []
-        self.batches: list = []
         self.shipments: list[tuple] = []  # (loss_mask_T, doc_lengths, padded_tokens, rows) on the device
         self.bytes_sent = 0  # of the shipments watched, as they travel between ranks
         self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -166,7 +156,6 @@ class WorkCounter:
 
     def reset(self) -> None:
         self.offsets.clear()
-        self.batches.clear()
         self.shipments.clear()
         self.bytes_sent = 0
 
@@ -176,8 +165,7 @@ class WorkCounter:
         kinds = {kind: config.layer_types.count(kind) for kind in set(config.layer_types)}
         work = WorkCount(loss_rows=loss_rows)
         # (sample lengths, padded target tokens, rows, real anchors) of every micro-batch
-        micro = [(b.lengths, b.input_ids.numel(), b.batch_size, real_anchor_count(b.loss_mask, b.lengths, num_anchors))
-                 for b in self.batches]
+        micro = []
         for mask_T, docs, padded, rows in self.shipments:  # host syncs: after timing
             docs = docs.cpu()
             micro.append((docs, padded, rows, packed_anchor_count(mask_T.cpu(), docs, num_anchors)))

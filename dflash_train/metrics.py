@@ -18,6 +18,16 @@ import torch
 from dflash_train.loss import BlockLossOutput
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA: the peak of `max_memory_allocated` (since the last reset); CPU: the process's peak
+    resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 class Accumulator:
     """Sums over a log interval, kept on the device."""
 

@@ -27,7 +27,7 @@ from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
 from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
                                 step_generator)
-from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer
+from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib
 from dflash_train.target import SidePacker, TargetHeads, finish_features, load_target, resolve_target_path
 from dflash_train.transport import Receiver, Sender, Shipment
 
@@ -305,27 +305,36 @@ class Trainer:
             out.loss_sum.backward()
             loss_sum, weight_sum, used = loss_sum + out.loss_sum.detach(), weight_sum + out.weight_sum, used + 1
         self.timer.mark("optimizer")
+        used_by_all = None  # several drafter ranks: the micro-batches trained over all of them (device)
         if len(self.dist.drafter_ranks) > 1:
-            loss_sum, weight_sum, used = self.all_reduce_gradients(loss_sum, weight_sum, used)
+            loss_sum, weight_sum, used_by_all = self.all_reduce_gradients(loss_sum, weight_sum, used)
         finite = False
-        if used == 0:  # nothing to learn from: weights and optimizer untouched
+        if used_by_all is None and used == 0:  # nothing to learn from: weights and optimizer untouched
             loss_sum = grad_norm = torch.zeros((), device=self.device)
+            all_failed = True
         else:
             params = [p for p in self.drafter.parameters() if p.grad is not None]
             # Exact mean over all micro-batches: gradients of the summed loss, divided once.
             torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
-            finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))  # host sync: the skip decision
+            ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+            if used_by_all is None:
+                finite, all_failed = bool(ok), False  # host sync: the skip decision
+            else:  # the global count is read with the skip decision, in the same host sync
+                trained = used_by_all > 0
+                finite, any_trained = torch.stack([ok & trained, trained]).tolist()
+                all_failed = not any_trained
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.timer.mark(None)
-        return StepResult(loss_sum, grad_norm, finite, failed, all_failed=used == 0)
+        return StepResult(loss_sum, grad_norm, finite, failed, all_failed=all_failed)
 
     def all_reduce_gradients(self, loss_sum, weight_sum, used: int):
-        """Sum gradients, loss and weight sums over the drafter ranks (one flat all-reduce), so
-        that dividing by the global weight gives the single-process gradient of the same
+        """Sum gradients, loss and weight sums and the trained micro-batch counts over the
+        drafter ranks (one flat all-reduce; all three sums stay on the device), so that
+        dividing by the global weight gives the single-process gradient of the same
         micro-batches. Done once per step after accumulation rather than by DDP's backward hooks:
         DDP averages by the number of ranks (the exact mean needs the weight sum instead) and
         needs every rank to run the same backwards, which a skipped micro-batch breaks."""
@@ -337,8 +346,7 @@ class Trainer:
                               for v in (loss_sum, weight_sum, float(used))])
         self.dist.all_reduce_drafters([p.grad for p in params] + [totals],
                                       f"waiting for the gradient all-reduce of step {self.step + 1}")
-        # host sync: the count decides whether the step has anything to apply
-        return totals[0], totals[1], int(totals[2].item())
+        return totals[0], totals[1], totals[2]
 
     # ------------------------------------------------------------------- the loops
 
@@ -533,12 +541,7 @@ class Trainer:
         record["skipped_total"] = self.total_skipped
         if self.dist.disaggregated:
             record["wait_s"] = self.transport_waits()
-        if self.device.type == "cuda":
-            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        else:
-            import resource
-
-            record["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        record["peak_memory_gib"] = peak_memory_gib(self.device)
         return record
 
     def transport_waits(self) -> dict:

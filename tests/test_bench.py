@@ -14,6 +14,16 @@ from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_ge
 
 from conftest import random_packed_row
 
+
+def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
+    """Reference: the anchors `masks.sample_anchors` draws for a padded batch, per sample
+    min(num_anchors, positions p with p and p + 1 supervised)."""
+    total = 0
+    for row, n in zip(loss_mask_bL.numpy(), lengths_b.tolist()):
+        m = row[:n].astype(bool)
+        total += min(num_anchors, int((m[:-1] & m[1:]).sum()))
+    return total
+
 REPORT_KEYS = {"workload", "samples_per_s", "target_tokens_per_s", "stage_s", "stage_share", "mfu",
                "flops_per_sample", "peak_memory_gib", "gpu_idle_share", "step_s", "steps", "device",
                "torch_version", "date", "overrides"}
@@ -94,7 +104,7 @@ def test_visible_pairs_equal_a_brute_force_count_of_the_mask(window):
 
 
 def test_work_counted_from_a_real_step_matches_the_step_itself():
-    """The counter sees only the drafter's inputs and the host batches; compare it with what
+    """The counter sees only the drafter's inputs and the shipments; compare it with what
     the step really built: the dense mask (CPU) and the anchors sample_anchors drew."""
     trainer, _ = bench.build_trainer("tiny", ["objective.noise=none"], log=lambda *a: None)
     counter = flops.WorkCounter(trainer.drafter)
@@ -104,9 +114,10 @@ def test_work_counted_from_a_real_step_matches_the_step_itself():
     bench.run_step(trainer, counter)
     loss_rows = int(trainer.acc.count_K.sum())
     work = counter.count(trainer.cfg.objective.num_anchors, loss_rows)
-    (batch,) = counter.batches
+    (index,) = trainer.assign.consumed(0, 0)
+    batch = trainer.stream[index]  # the host batch the step trained on
     B = trainer.block_size
-    real = flops.real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
+    real = real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
     (q_len, masks), = seen
     dense = masks["full_attention"]
     assert dense.shape[0] == q_len and q_len >= real * B
@@ -126,7 +137,7 @@ def test_real_anchor_count_matches_sample_anchors():
     packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)])
     for k in (1, 3, 50):
         drawn = sample_anchors(packed, lengths, k, step_generator(0, k), pad_to_multiple=4)
-        assert flops.real_anchor_count(loss_mask, lengths, k) == int((drawn >= 0).sum())
+        assert real_anchor_count(loss_mask, lengths, k) == int((drawn >= 0).sum())
 
 
 def test_busy_time_is_the_union_of_intervals_inside_the_window():
@@ -143,7 +154,7 @@ def test_packed_anchor_count_equals_the_padded_batch_count():
     loss_mask = (torch.rand(rows, L, generator=gen) < 0.7) & (torch.arange(L)[None, :] < lengths[:, None])
     packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)] + [torch.ones(7, dtype=torch.bool)])
     for k in (1, 4, 40):  # the trailing padding (set here on purpose) belongs to no document
-        assert flops.packed_anchor_count(packed, lengths, k) == flops.real_anchor_count(loss_mask, lengths, k)
+        assert flops.packed_anchor_count(packed, lengths, k) == real_anchor_count(loss_mask, lengths, k)
 
 
 DIST_KEYS = REPORT_KEYS | {"world_size", "mode", "num_target_ranks", "num_drafter_ranks", "samples_per_s_per_gpu",
