@@ -33,6 +33,13 @@ QWEN3_8B = dict(
     max_position_embeddings=40960, tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+# SmolLM2-135M-Instruct's shape (the bundled target; Llama architecture, tied embeddings).
+SMOLLM2_135M = dict(
+    model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
 TINY_TARGET = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, vocab_size=512, rms_norm_eps=1e-6,
@@ -83,6 +90,16 @@ WORKLOADS: dict[str, Workload] = {
          "objective": {"num_anchors": 512}},
         lengths=(256, 3072), num_samples=256, warmup=None, steps=20,
     ),
+    "smollm2": Workload(
+        "SmolLM2-135M-shaped target, 5-layer drafter, block 16, lengths uniform in 128..1536 "
+        "(last half supervised), 512 anchors per sample: the quality run's training step",
+        SMOLLM2_135M,
+        {"target": {"compile": True}, "train": {"compile": True},
+         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 49151},
+         "data": {"max_length": 2048, "token_budget": 16384, "max_batch_size": 64},
+         "objective": {"num_anchors": 512}},
+        lengths=(128, 1536), num_samples=256, warmup=None, steps=20,
+    ),
     "tiny": Workload(
         "CPU-sized: 4-layer hidden-64 target, 2-layer drafter, block 8, lengths 32..128, "
         "16 anchors per sample (tests)",
@@ -118,9 +135,11 @@ def synthetic_dataset(workload: Workload, mask_token_id: int, seed: int):
 
 
 def target_config(workload: Workload):
-    from transformers import Qwen3Config
+    """The transformers config of the workload's target (Qwen3 unless it names a model_type)."""
+    from transformers import AutoConfig
 
-    return Qwen3Config(**workload.target)
+    fields = dict(workload.target)
+    return AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
 
 
 def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int, compile: bool = False):
