@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash_train import bench, cli, flops
+from dflash_train.config import load_config
 from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
 
 from conftest import random_packed_row
@@ -209,3 +210,16 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     per_step = 8 * 16 + 4 * T * F + 8 * 3 * T + 8 * report["samples_per_step"]
     assert report["transfer_bytes_per_step"] == pytest.approx(per_step)
     assert report["transfer_gbytes_per_s"] == pytest.approx(per_step * steps / (report["step_s"] * steps) / 1e9)
+
+
+@pytest.mark.parametrize("name", sorted(bench.WORKLOADS))
+def test_every_workload_has_a_valid_config_and_target_shape(name):
+    """Each workload's settings load strictly, and its target config has the shape it names
+    (smollm2: a Llama with tied embeddings, as the bundled SmolLM2-135M-Instruct)."""
+    wl = bench.WORKLOADS[name]
+    cfg = load_config(None, [], base=wl.settings)
+    config = bench.target_config(wl)
+    assert config.model_type == wl.target.get("model_type", "qwen3")
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+        assert getattr(config, key) == wl.target[key], key
+    assert cfg.drafter.mask_token_id < config.vocab_size
