@@ -430,8 +430,10 @@ class DFlashDrafter(nn.Module):
         noise_embedding [B, Q, H] (target-embedded block tokens), position_ids [B, T + Q].
 
         attention_mask: None (inference: everything in the cache plus the block is visible,
-        windowed for sliding layers), a dense bool [Q, KV] or flex BlockMask, or a dict of those
-        keyed by layer type. Returns final-normed hidden states [B, Q, H].
+        windowed for sliding layers), a dense bool [Q, KV] (or [B, 1, Q, KV], one per row, as
+        batched inference passes) or flex BlockMask, or a dict of those keyed by layer type.
+        past_key_values: any cache with `update(k, v, layer_idx) -> (keys, values)`
+        (DrafterCache, a transformers cache). Returns final-normed hidden states [B, Q, H].
         """
         ctx_BTH = self.hidden_norm(self.fc(target_hidden))
         x_BQH = noise_embedding

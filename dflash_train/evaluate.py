@@ -4,8 +4,10 @@ Owns the prompt sets (MT-Bench, HumanEval, GSM8K from the installed data package
 file of {"turns": [...]} records), forming prompts as the DFlash paper's benchmark does (the
 target's chat template with the generation prompt, no system prompt; GSM8K and HumanEval
 wrapped in their instruction; a second turn sees our own first answer), running a set through
-`specdec.speculative_generate` (in this process, or spread over worker processes), the speedup
-over target-only decoding measured in one uncontended process on the first turns of each set,
+`specdec.speculative_generate` (in this process, or spread over worker processes; with a batch
+size above 1, a batch of records per `specdec.speculative_generate_batch` call, turn by turn),
+the speedup over target-only decoding measured at batch size 1 in one uncontended process on
+the first turns of each set,
 the outputs (JSON, markdown summary, PNG histogram), and the evaluator the trainer
 calls every `eval.every` steps. The in-training evaluator and `dflash-train eval` run the same
 `run_prompt_set`, so an exported drafter evaluated here gives the acceptance lengths training
@@ -32,7 +34,7 @@ from dflash_train.workers import WorkerError, parallel_map
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_SPEEDUP_TURNS = 10  # per set; each is decoded both ways once more when workers > 1
+DEFAULT_SPEEDUP_TURNS = 10  # per set; each is decoded both ways once more when workers or batch size > 1
 
 
 # --------------------------------------------------------------------------- prompt sets
@@ -188,6 +190,12 @@ def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: 
     return {"speedup": base / spec, "baseline_s_per_token": base, "spec_s_per_token": spec}
 
 
+def record_turn_seed(seed: int, index: int, turn: int) -> int:
+    """The sampling seed of a turn: from the record's place in its set, not from where or with
+    which other records it is decoded."""
+    return seed * 1_000_003 + index * 101 + turn
+
+
 def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, *, name: str,
                   max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
                   baseline: bool) -> tuple[dict, list[TurnStats]]:
@@ -202,7 +210,7 @@ def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, 
     for turn, text in enumerate(record.turns):
         messages.append({"role": "user", "content": text})
         ids = prompt_ids(tokenizer, messages)
-        turn_seed = seed * 1_000_003 + index * 101 + turn
+        turn_seed = record_turn_seed(seed, index, turn)
         gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
                                            stop_ids=stop_ids, seed=turn_seed)
         entry["acceptance_lengths"].append(gen.acceptance_lengths)
@@ -218,6 +226,42 @@ def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, 
         messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
     entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
     return entry, stats
+
+
+def decode_records(model, tokenizer, proposer, records: list[tuple[int, PromptRecord]], *, name: str,
+                   max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
+                   baseline: bool) -> list[tuple[dict, list[TurnStats]]]:
+    """decode_record for several (index, record) pairs as one batch: round t decodes turn t of
+    every record that has it in one speculative_generate_batch call (and, with `baseline`, one
+    target_generate_batch call), so a record's second turn still sees its own first answer.
+    Same entries and mismatches as decode_record on each record; a turn's seconds are its
+    batch's (not comparable with batch-1 timings)."""
+    messages: list[list[dict[str, str]]] = [[] for _ in records]
+    entries = [{"id": r.id, "set": name, "acceptance_lengths": [], "output_ids": []} for _, r in records]
+    stats: list[list[TurnStats]] = [[] for _ in records]
+    for turn in range(max(len(r.turns) for _, r in records)):
+        rows = [k for k, (_, r) in enumerate(records) if turn < len(r.turns)]
+        for k in rows:
+            messages[k].append({"role": "user", "content": records[k][1].turns[turn]})
+        prompts = [prompt_ids(tokenizer, messages[k]) for k in rows]
+        seeds = [record_turn_seed(seed, records[k][0], turn) for k in rows]
+        gens = specdec.speculative_generate_batch(model, prompts, proposer, max_new_tokens, temperature=temperature,
+                                                  stop_ids=stop_ids, seed=seeds)
+        bases = specdec.target_generate_batch(model, prompts, max_new_tokens, temperature=temperature,
+                                              stop_ids=stop_ids, seed=seeds) if baseline else [None] * len(rows)
+        for k, gen, base in zip(rows, gens, bases):
+            entries[k]["acceptance_lengths"].append(gen.acceptance_lengths)
+            entries[k]["output_ids"].append(gen.output_ids)
+            stat = TurnStats(gen.seconds, len(gen.output_ids))
+            if base is not None:
+                stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
+                stat.mismatched = base.output_ids != gen.output_ids
+            stats[k].append(stat)
+            answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
+            messages[k].append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    for entry in entries:
+        entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
+    return list(zip(entries, stats))
 
 
 def run_prompt_set(model, tokenizer, proposer, records: list[PromptRecord], *, name: str = "prompts",
@@ -345,11 +389,17 @@ def _worker_setup(device, target: str, drafter: str, dtype: torch.dtype, options
     return load_models(target, drafter, device, dtype), options
 
 
-def _worker_decode(state, item) -> tuple[tuple[int, list[int]], dict, list[TurnStats]]:
+def _worker_decode(state, item) -> tuple[tuple[int, list[int]], list[tuple[dict, list[TurnStats]]]]:
+    """A chunk of (index, record) pairs of one set: one record at a time (batch size 1, the
+    chunk holds one record), or all of them as one batch."""
     (model, tokenizer, proposer, stop_ids), options = state
-    name, index, record = item
-    entry, turns = decode_record(model, tokenizer, proposer, record, index, name=name, stop_ids=stop_ids, **options)
-    return (int(proposer.block_size), stop_ids), entry, turns
+    name, chunk, batched = item
+    if batched:
+        decoded = decode_records(model, tokenizer, proposer, chunk, name=name, stop_ids=stop_ids, **options)
+    else:
+        decoded = [decode_record(model, tokenizer, proposer, record, index, name=name, stop_ids=stop_ids, **options)
+                   for index, record in chunk]
+    return (int(proposer.block_size), stop_ids), decoded
 
 
 def time_first_turns(loaded, sets: list[tuple[str, list[PromptRecord]]], results: list[SetResult],
@@ -373,13 +423,17 @@ def time_first_turns(loaded, sets: list[tuple[str, list[PromptRecord]]], results
 def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
              device: str = "auto", dtype: str = "auto", speedup: bool = True,
-             speedup_turns: int = DEFAULT_SPEEDUP_TURNS, workers: int = 1, log=print) -> dict:
+             speedup_turns: int = DEFAULT_SPEEDUP_TURNS, workers: int = 1, batch_size: int = 1,
+             log=print) -> dict:
     """Load the target and a published-format drafter folder, run every prompt set, return the
     JSON document of `combine`. With `workers` > 1 the records are decoded by that many
-    processes (workers.parallel_map; a record's turns stay together) and the speedup is then
-    measured in this process alone; the results are those of `workers` = 1 except timings."""
+    processes (workers.parallel_map; a record's turns stay together); with `batch_size` > 1,
+    each process decodes `batch_size` records of a set per batch (decode_records). In both
+    cases the speedup is then measured in this process alone, at batch size 1, after the main
+    pass; the results are those of `workers` = `batch_size` = 1 except timings."""
     problems = [f"{flag} must be {need}, got {value}" for flag, value, ok, need in (
         ("--workers", workers, workers >= 1, ">= 1"),
+        ("--batch-size", batch_size, batch_size >= 1, ">= 1"),
         ("--speedup-turns", speedup_turns, speedup_turns >= 0, ">= 0 (0 times no turn)"),
         ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1")) if not ok]
     if problems:
@@ -390,7 +444,7 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "baseline": speedup}
     timed = speedup_turns if speedup else 0
     started = time.perf_counter()
-    if workers == 1:
+    if workers == 1 and batch_size == 1:
         model, tokenizer, proposer, stop_ids = load_models(target, drafter, dev, torch_dtype)
         if speedup:
             warm_up(model, tokenizer, proposer, stop_ids)
@@ -400,22 +454,32 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
                    for name, records in sets]
         decode_s, speedup_s = time.perf_counter() - started, 0.0
     else:
-        items = [(k, name, i, record) for k, (name, records) in enumerate(sets) for i, record in enumerate(records)]
+        # Work items: chunks of `batch_size` records of one set (one record at batch size 1).
+        chunks = [(k, name, list(enumerate(records))[a : a + batch_size])
+                  for k, (name, records) in enumerate(sets) for a in range(0, len(records), batch_size)]
+        items = [(name, chunk, batch_size > 1) for _, name, chunk in chunks]
+        loaded = None
+        if workers > 1:
+            mapped = parallel_map(_worker_setup, (target, drafter, torch_dtype, options), _worker_decode, items,
+                                  num_workers=workers, device=dev)
+        else:
+            state = _worker_setup(dev, target, drafter, torch_dtype, options)
+            loaded = state[0]
+            mapped = (_worker_decode(state, item) for item in items)
         found: dict[int, SetResult] = {}
-        mapped = parallel_map(_worker_setup, (target, drafter, torch_dtype, options), _worker_decode,
-                              [(name, i, record) for _, name, i, record in items], num_workers=workers, device=dev)
-        for (k, name, i, record), ((block_size, stop_ids), entry, turns) in zip(items, mapped):
-            found.setdefault(k, SetResult(name, block_size)).add_record(entry, turns)
-            log(f"[{name}] {i + 1}/{len(sets[k][1])} {record.id}: tau {entry['tau']:.2f}")
+        for (k, name, chunk), ((block_size, stop_ids), decoded) in zip(chunks, mapped):
+            for (i, record), (entry, turns) in zip(chunk, decoded):
+                found.setdefault(k, SetResult(name, block_size)).add_record(entry, turns)
+                log(f"[{name}] {i + 1}/{len(sets[k][1])} {record.id}: tau {entry['tau']:.2f}")
         results = [found[k] for k in range(len(sets))]
         decode_s = time.perf_counter() - started
         if timed:
-            time_first_turns(load_models(target, drafter, dev, torch_dtype), sets, results, timed, options)
+            time_first_turns(loaded or load_models(target, drafter, dev, torch_dtype), sets, results, timed, options)
         speedup_s = time.perf_counter() - started - decode_s
     settings = {"target": target, "drafter": str(drafter), "prompts": list(prompts), "limit": limit,
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
                 "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "stop_ids": stop_ids,
-                "workers": workers, "speedup_turns": timed}
+                "workers": workers, "batch_size": batch_size, "speedup_turns": timed}
     doc = combine(results, settings)
     doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s}
     return doc
@@ -427,7 +491,8 @@ def run_eval(args) -> int:
     try:
         result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns, workers=args.workers)
+                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns, workers=args.workers,
+                          batch_size=args.batch_size)
     except (ValueError, FileNotFoundError) as err:
         print(f"dflash-train eval: {err}", file=sys.stderr)
         return 2

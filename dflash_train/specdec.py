@@ -21,8 +21,17 @@ generator seeded by (seed, p), conditioned on the committed prefix; proposals on
 many of those samples one verify forward yields. Target-only sampling with the same seed draws
 the same G_p, so both decoders produce the same tokens, not only the same distribution.
 
-Batch size 1. Shape legend: S committed tokens, T new context tokens, F = n*H tapped features,
-B block size, V vocabulary.
+Batched decoding (`speculative_generate_batch`, `target_generate_batch`) runs R prompts per
+forward with the same per-row semantics, acceptance counts and tokens as the batch-1 functions
+(evaluation's `--batch-size`, where one forward's fixed host cost then serves R rows). Both
+models keep a `RowCache`: one key/value buffer whose column c holds position c of every row, so
+rows advance by their own acceptance each cycle with no padding between their tokens; a rejected
+block's keys lie past the row's committed length, hidden by the mask, until the row's next block
+overwrites them. Masks are built from positions (a key at position k is visible to a query at q
+when k <= q, and q - k < W in a sliding-window layer), so they need no bookkeeping of holes.
+
+Shape legend: R rows, S committed tokens, T new context tokens, F = n*H tapped features,
+B block size, V vocabulary, W key columns read by a forward.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.loss import accepted_run_length
 from dflash_train.target import LayerTaps
 
@@ -63,6 +73,18 @@ def choose_tokens(logits_QV: torch.Tensor, positions: Sequence[int], temperature
         return logits_QV.argmax(dim=-1)
     noise = position_gumbel(seed, positions, logits_QV.shape[-1], logits_QV.device)
     return (logits_QV.float() / temperature + noise).argmax(dim=-1)
+
+
+def choose_row_tokens(logits_RQV: torch.Tensor, first_positions: Sequence[int], temperature: float,
+                      seeds: Sequence[int]) -> torch.Tensor:
+    """choose_tokens for R rows at once [R, Q]: row i's logits choose the tokens at positions
+    first_positions[i] .. + Q - 1 with row i's seed, so each row gets exactly the tokens that
+    batch-1 decoding of that row would get from the same logits."""
+    if temperature <= 0:
+        return logits_RQV.argmax(dim=-1)
+    Q = logits_RQV.shape[1]
+    return torch.stack([choose_tokens(logits_RQV[i], range(p, p + Q), temperature, seeds[i])
+                        for i, p in enumerate(first_positions)])
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
@@ -109,6 +131,79 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+def _grow_columns(t_RHCD: torch.Tensor, capacity: int) -> torch.Tensor:
+    R, H, C, D = t_RHCD.shape
+    return torch.cat([t_RHCD, t_RHCD.new_zeros(R, H, capacity - C, D)], dim=2)
+
+
+class RowCache:
+    """Keys/values of R sequences in one buffer per layer, [R, Hkv, C, Dh], where column c holds
+    position c of every row (rows of different lengths need no padding between their tokens).
+
+    Before each forward, `prepare(columns_RQ, width)` names the column that each input token is
+    written to (its position; a padding token's column is `width`, which no forward of this
+    call reads) and how many columns the forward reads; `update` writes the new keys/values
+    there and returns the first `width` columns. The caller's position masks say which of them
+    a query sees. Rejected draft positions need no crop: they lie past the row's committed
+    length, masked, until the row's next block overwrites them. Same `update(k, v, layer_idx)`
+    surface as transformers' caches: the HF target and the drafter both take it as
+    `past_key_values`."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = int(capacity)
+        self.columns_RQ: torch.Tensor | None = None
+        self.width = 0
+
+    def prepare(self, columns_RQ: torch.Tensor, width: int) -> None:
+        self.columns_RQ, self.width = columns_RQ, int(width)
+        if self.width + 1 > self.capacity:  # column `width` takes the padding writes
+            self.capacity = max(self.width + 1, 2 * self.capacity)
+            self.keys = [_grow_columns(k, self.capacity) for k in self.keys]
+            self.values = [_grow_columns(v, self.capacity) for v in self.values]
+
+    def update(self, k_RHQD: torch.Tensor, v_RHQD: torch.Tensor, layer_idx: int, *args, **kwargs):
+        R, H, Q, D = k_RHQD.shape
+        if layer_idx == len(self.keys):
+            self.keys.append(k_RHQD.new_zeros(R, H, self.capacity, D))
+            self.values.append(v_RHQD.new_zeros(R, H, self.capacity, D))
+        index = self.columns_RQ[:, None, :, None].expand(R, H, Q, D)
+        self.keys[layer_idx].scatter_(2, index, k_RHQD)
+        self.values[layer_idx].scatter_(2, index, v_RHQD)
+        return self.keys[layer_idx][:, :, : self.width], self.values[layer_idx][:, :, : self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def keep_rows(self, index_R: torch.Tensor) -> None:
+        """Keep these rows, in this order (finished rows leave the batch)."""
+        self.keys = [k.index_select(0, index_R) for k in self.keys]
+        self.values = [v.index_select(0, index_R) for v in self.values]
+
+
+def causal_position_mask(query_pos_RQ: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """[R, 1, Q, W] bool: the key at column (= position) k is visible to the query at position q
+    when k <= q, and q - k < window for a sliding-window layer (transformers' convention)."""
+    key_W = torch.arange(width, device=query_pos_RQ.device)
+    q = query_pos_RQ[:, None, :, None]
+    visible = key_W <= q
+    return visible & (q - key_W < window) if window else visible
+
+
+def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
+    """The target's attention mask for a RowCache forward, as transformers takes a prepared
+    4-D mask (as given): one tensor, or a dict by layer type for models that mix full and
+    sliding-window layers (Qwen2/3, ...); a config with a window and no layer types slides in
+    every layer (Mistral)."""
+    types = set(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if SLIDING_ATTENTION in types:
+        return {FULL_ATTENTION: causal_position_mask(query_pos_RQ, width),
+                SLIDING_ATTENTION: causal_position_mask(query_pos_RQ, width, window)}
+    return causal_position_mask(query_pos_RQ, width, None if types else window)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -139,9 +234,28 @@ class Proposer(Protocol):
     def propose(self, sequence_ids_1S: torch.Tensor, context_1TF: torch.Tensor | None) -> torch.Tensor: ...
 
 
+class BatchProposer(Proposer, Protocol):
+    """What speculative_generate_batch asks for proposals of R rows. `reset` starts R new
+    sequences; `propose_batch` gets the committed ids [R, S] (row i's ids up to its anchor at
+    position anchor_R[i]; what lies past it is undefined), the tapped features of each row's
+    committed positions not seen yet [R, T, F], right-padded: row i's first context_len_R[i]
+    entries are positions anchor_R[i] - context_len_R[i] .. anchor_R[i] - 1 (None when
+    `target_layer_ids` is empty), and max(anchor_R) as a host int; it returns [R, B-1] ids.
+    `keep_rows(index_R)`: later calls see only these rows of the earlier ones, in this order."""
+
+    def propose_batch(self, sequence_ids_RS: torch.Tensor, anchor_R: torch.Tensor, context_RTF: torch.Tensor | None,
+                      context_len_R: torch.Tensor, max_anchor: int) -> torch.Tensor: ...
+
+    def keep_rows(self, index_R: torch.Tensor) -> None: ...
+
+
 class DFlashProposer:
     """The DFlash drafter as a proposer: one forward on [anchor, MASK...] with a DrafterCache
-    holding the keys/values of all earlier context; the block's keys/values never stay."""
+    holding the keys/values of all earlier context; the block's keys/values never stay.
+    `propose_batch` does the same for R rows in one forward, on a RowCache whose column p holds
+    each row's context position p; a row's block attends to columns < anchor + B (sliding
+    layers: causal and within the window), so the block's keys, written at its own positions,
+    are overwritten by the next cycle's context before anything can see them again."""
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         from dflash_train.drafter import DrafterCache
@@ -153,6 +267,7 @@ class DFlashProposer:
         self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
         self._new_cache = DrafterCache
         self.cache = DrafterCache()
+        self.row_cache: RowCache | None = None
 
     @classmethod
     def for_target(cls, drafter, model) -> "DFlashProposer":
@@ -163,6 +278,7 @@ class DFlashProposer:
 
     def reset(self) -> None:
         self.cache = self._new_cache()
+        self.row_cache = None
 
     def propose(self, sequence_ids_1S: torch.Tensor, context_1TF: torch.Tensor | None) -> torch.Tensor:
         anchor_pos = sequence_ids_1S.shape[1] - 1
@@ -180,6 +296,37 @@ class DFlashProposer:
         logits = hidden_1BH[0, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
         return logits.argmax(dim=-1)
 
+    def propose_batch(self, sequence_ids_RS: torch.Tensor, anchor_R: torch.Tensor, context_RTF: torch.Tensor | None,
+                      context_len_R: torch.Tensor, max_anchor: int) -> torch.Tensor:
+        assert context_RTF is not None, "the DFlash drafter needs the target's features"
+        B, device = self.block_size, sequence_ids_RS.device
+        R, T = context_RTF.shape[:2]
+        width = int(max_anchor) + B  # every row's context and block lie in these columns
+        if self.row_cache is None:
+            self.row_cache = RowCache()
+        j_T, k_B = torch.arange(T, device=device), torch.arange(B, device=device)
+        ctx_pos_RT = anchor_R[:, None] - context_len_R[:, None] + j_T
+        ctx_pos_RT = torch.where(j_T < context_len_R[:, None], ctx_pos_RT, width)  # padding -> unread column
+        position_ids = torch.cat([ctx_pos_RT, anchor_R[:, None] + k_B], dim=1)  # also the columns written
+        self.row_cache.prepare(position_ids, width)
+        block_RB = torch.full((R, B), self.mask_token_id, dtype=torch.long, device=device)
+        block_RB[:, 0] = sequence_ids_RS.gather(1, anchor_R[:, None])[:, 0]
+        dtype = next(self.drafter.parameters()).dtype
+        noise_emb = F.embedding(block_RB, self.embed_weight).to(dtype)
+        key_W = torch.arange(width, device=device)
+        masks = {FULL_ATTENTION: (key_W < (anchor_R + B)[:, None])[:, None, None, :]}  # context + whole block
+        window = getattr(self.drafter.config, "sliding_window", None)
+        if window:
+            masks[SLIDING_ATTENTION] = causal_position_mask(anchor_R[:, None] + k_B, width, window)
+        hidden_RBH = self.drafter(context_RTF.to(dtype), noise_emb, position_ids, attention_mask=masks,
+                                  past_key_values=self.row_cache, use_cache=True)
+        logits = hidden_RBH[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
+        return logits.argmax(dim=-1)
+
+    def keep_rows(self, index_R: torch.Tensor) -> None:
+        if self.row_cache is not None:
+            self.row_cache.keep_rows(index_R)
+
 
 # --------------------------------------------------------------------------- generation
 
@@ -194,7 +341,8 @@ class Generation:
     stopped: bool = False
     """Ended on a stop token (else on max_new_tokens)."""
     seconds: float = 0.0
-    """Wall-clock time of the whole call, prefill included (CUDA synchronized)."""
+    """Wall-clock time of the whole call, prefill included (CUDA synchronized); from a batched
+    call, the whole batch's time (the same for every row)."""
 
 
 @torch.inference_mode()
@@ -270,6 +418,173 @@ def speculative_generate(model, prompt_ids, proposer: Proposer, max_new_tokens: 
             seq_1S[0, s + 1 : s + acc + 2] = chosen_B[: acc + 1]
     _sync(device)
     return Generation(out, lengths, out[-1] in stop, time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------- batched generation
+
+
+def _prompt_rows(prompts, device) -> tuple[torch.Tensor, list[int]]:
+    """Prompts right-padded into [R, P] (column = position) and their lengths."""
+    rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+    lengths = [len(r) for r in rows]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty")
+    ids_RP = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids_RP[i, : len(r)] = r
+    return ids_RP.to(device), lengths
+
+
+def _row_seeds(seed: int | Sequence[int], num_rows: int) -> list[int]:
+    seeds = [int(seed)] * num_rows if isinstance(seed, int) else [int(x) for x in seed]
+    if len(seeds) != num_rows:
+        raise ValueError(f"{len(seeds)} seeds for {num_rows} prompts")
+    return seeds
+
+
+def _prefill_rows(model, ids_RP: torch.Tensor, lengths: list[int], cache: RowCache) -> torch.Tensor:
+    """All prompts in one forward; the logits [R, V] at each row's last prompt position.
+    Right padding with a causal mask: no real token sees padding, and a padding key at
+    column c is overwritten by the row's own token of position c before any query of the row
+    can see column c."""
+    R, P = ids_RP.shape
+    pos_RP = torch.arange(P, device=ids_RP.device).expand(R, P)
+    cache.prepare(pos_RP, P)
+    last = sorted({n - 1 for n in lengths})
+    logits_RKV = model(input_ids=ids_RP, position_ids=pos_RP, attention_mask=target_masks(model.config, pos_RP[:1], P),
+                       past_key_values=cache, use_cache=True,
+                       logits_to_keep=torch.tensor(last, device=ids_RP.device)).logits
+    pick_R = torch.tensor([last.index(n - 1) for n in lengths], device=ids_RP.device)
+    return logits_RKV[torch.arange(R, device=ids_RP.device), pick_R]
+
+
+def _live_rows(rows: list[int], outs: list[list[int]], stop: set[int], max_new_tokens: int) -> list[int]:
+    return [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+
+
+@torch.inference_mode()
+def target_generate_batch(model, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                          stop_ids: Iterable[int] = (), seed: int | Sequence[int] = 0) -> list[Generation]:
+    """target_generate for R prompts at once (one token per row per forward, on a RowCache):
+    each row's output is the one target_generate gives it (up to the rounding of batched
+    forwards); `seed` is one seed for all rows or one per row. A finished row leaves the
+    batch; `seconds` is the whole batch's."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not len(prompts):
+        return []
+    device = model.get_input_embeddings().weight.device
+    ids_RP, lengths = _prompt_rows(prompts, device)
+    stop, seeds = set(stop_ids), _row_seeds(seed, len(lengths))
+    outs: list[list[int]] = [[] for _ in lengths]
+    _sync(device)
+    started = time.perf_counter()
+    cache = RowCache(ids_RP.shape[1] + max_new_tokens + 1)
+    logits_RV = _prefill_rows(model, ids_RP, lengths, cache)
+    pos_R = torch.tensor(lengths, device=device)  # position of each row's next token
+    rows = list(range(len(lengths)))  # the prompt of each live row
+    while True:
+        token_R = choose_row_tokens(logits_RV[:, None], [lengths[r] + len(outs[r]) for r in rows], temperature,
+                                    [seeds[r] for r in rows])[:, 0]
+        for r, t in zip(rows, token_R.tolist()):  # host sync: the stop checks, the one of each step
+            outs[r].append(t)
+        live = _live_rows(rows, outs, stop, max_new_tokens)
+        if not live:
+            break
+        if len(live) < len(rows):
+            index = torch.tensor(live, device=device)
+            cache.keep_rows(index)
+            token_R, pos_R, rows = token_R.index_select(0, index), pos_R.index_select(0, index), [rows[i] for i in live]
+        width = max(lengths[r] + len(outs[r]) for r in rows)
+        cache.prepare(pos_R[:, None], width)
+        logits_RV = model(input_ids=token_R[:, None], position_ids=pos_R[:, None],
+                          attention_mask=target_masks(model.config, pos_R[:, None], width),
+                          past_key_values=cache, use_cache=True).logits[:, -1]
+        pos_R = pos_R + 1
+    _sync(device)
+    seconds = time.perf_counter() - started
+    return [Generation(out, [], out[-1] in stop, seconds) for out in outs]
+
+
+@torch.inference_mode()
+def speculative_generate_batch(model, prompts, proposer: BatchProposer, max_new_tokens: int, *,
+                               temperature: float = 0.0, stop_ids: Iterable[int] = (),
+                               seed: int | Sequence[int] = 0) -> list[Generation]:
+    """speculative_generate for R prompts at once: one drafter forward and one verify forward
+    per cycle for every live row, each row with its own anchor, acceptance and positions (see
+    RowCache). Row by row the same tokens, acceptance lengths and stops as batch-1 decoding
+    (up to the rounding of batched forwards: exact in float32 on CPU in the tests); `seed` is
+    one seed for all rows or one per row. A finished row leaves the batch (both caches drop
+    it); `seconds` is the whole batch's."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not len(prompts):
+        return []
+    device = model.get_input_embeddings().weight.device
+    ids_RP, lengths = _prompt_rows(prompts, device)
+    R, P, B = len(lengths), ids_RP.shape[1], int(proposer.block_size)
+    stop, seeds = set(stop_ids), _row_seeds(seed, R)
+    outs: list[list[int]] = [[] for _ in range(R)]
+    accepted: list[list[int]] = [[] for _ in range(R)]
+    _sync(device)
+    started = time.perf_counter()
+    # Committed ids by position, written on the device as cycles commit them.
+    seq_RS = torch.zeros(R, P + max_new_tokens + B, dtype=torch.long, device=device)
+    seq_RS[:, :P] = ids_RP
+    k_B = torch.arange(B, device=device)
+    with LayerTaps(model, proposer.target_layer_ids) as taps:
+        cache = RowCache(P + max_new_tokens + B + 1)
+        logits_RV = _prefill_rows(model, ids_RP, lengths, cache)
+        context_RTF = taps.features()  # every prompt position (right-padded): the first context
+        anchor_R = torch.tensor(lengths, device=device)
+        context_len_R = anchor_R.clone()
+        token_R = choose_row_tokens(logits_RV[:, None], lengths, temperature, seeds)
+        seq_RS.scatter_(1, anchor_R[:, None], token_R)
+        for r, t in enumerate(token_R[:, 0].tolist()):  # host sync: the first tokens' stop checks
+            outs[r].append(t)
+        rows = list(range(R))  # the prompt of each live row
+        proposer.reset()
+        while True:
+            live = _live_rows(rows, outs, stop, max_new_tokens)
+            if not live:
+                break
+            if len(live) < len(rows):
+                index = torch.tensor(live, device=device)
+                cache.keep_rows(index)
+                proposer.keep_rows(index)
+                seq_RS, anchor_R, context_len_R = (t.index_select(0, index) for t in (seq_RS, anchor_R, context_len_R))
+                context_RTF = None if context_RTF is None else context_RTF.index_select(0, index)
+                rows = [rows[i] for i in live]
+            anchors = [lengths[r] + len(outs[r]) - 1 for r in rows]  # each row's last committed token
+            proposals_RK = proposer.propose_batch(seq_RS, anchor_R, context_RTF, context_len_R, max(anchors))
+            proposals_RK = proposals_RK.to(device=device, dtype=torch.long)
+            pos_RB = anchor_R[:, None] + k_B
+            block_RB = torch.cat([seq_RS.gather(1, anchor_R[:, None]), proposals_RK], dim=1)
+            width = max(anchors) + B
+            cache.prepare(pos_RB, width)
+            mask = target_masks(model.config, pos_RB, width)
+            logits = model(input_ids=block_RB, position_ids=pos_RB, attention_mask=mask, past_key_values=cache,
+                           use_cache=True).logits
+            chosen_RB = choose_row_tokens(logits, [a + 1 for a in anchors], temperature, [seeds[r] for r in rows])
+            acc_R = accepted_run_length(proposals_RK == chosen_RB[:, :-1])
+            # The cycle's one host sync: every row's acceptance count and the target's tokens.
+            host = torch.cat([acc_R[:, None], chosen_RB], dim=1).tolist()
+            for r, (acc, *chosen) in zip(rows, host):
+                committed = chosen[: acc + 1]  # accepted proposals == target tokens, + bonus
+                keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
+                keep = min(keep, max_new_tokens - len(outs[r]))
+                outs[r].extend(committed[:keep])
+                accepted[r].append(keep)
+            # Positions anchor .. anchor+acc of each row are committed; their features are the
+            # next context. Tokens written past that are overwritten before they are read.
+            features = taps.features()
+            context_RTF = None if features is None else features[:, : max(h[0] for h in host) + 1]
+            context_len_R = acc_R + 1
+            seq_RS.scatter_(1, pos_RB + 1, chosen_RB)
+            anchor_R = anchor_R + context_len_R
+    _sync(device)
+    seconds = time.perf_counter() - started
+    return [Generation(outs[r], accepted[r], outs[r][-1] in stop, seconds) for r in range(R)]
 
 
 # --------------------------------------------------------------------------- statistics

@@ -201,20 +201,43 @@ def _without_timings(doc: dict) -> dict:
 
 
 def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
-    """Records split over 2 processes, merged in prompt order: everything but the timings
-    equals the one-process run; the speedup is measured in the parent on the first turns."""
+    """Records split over 2 processes (one at a time, or in batches of 2), merged in prompt
+    order: everything but the timings equals the one-process run; the speedup is measured in
+    the parent on the first turns."""
     _, _, _, folder = tiny_setup
     prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]},
                                                       {"turns": ["Name a fruit.", "Another?"]}, {"turns": ["Hi"]}])
-    run = lambda workers: evaluate.evaluate(TINY, str(folder), [str(prompts), "gsm8k"], limit=3, max_new_tokens=12,
-                                            device="cpu", speedup_turns=3, workers=workers, log=lambda *_: None)
-    one, two = run(1), run(2)
-    assert _without_timings(two) == _without_timings(one)
+    run = lambda workers, batch_size=1: evaluate.evaluate(
+        TINY, str(folder), [str(prompts), "gsm8k"], limit=3, max_new_tokens=12, device="cpu", speedup_turns=3,
+        workers=workers, batch_size=batch_size, log=lambda *_: None)
+    one, two, batched = run(1), run(2), run(2, batch_size=2)  # the last: each worker decodes batches of 2
+    assert _without_timings(two) == _without_timings(one) == _without_timings(batched)
     assert [len(p["output_ids"]) for p in two["prompts"]] == [2, 1, 2, 1, 1, 1]
-    for doc in (one, two):
+    for doc in (one, two, batched):
         assert doc["per_set"]["mine"]["speedup_turns"] == 3 and doc["speedup_turns"] == 6
         assert doc["speedup"] > 0 and doc["settings"]["speedup_turns"] == 3
     assert two["settings"]["workers"] == 2 and two["settings"]["stop_ids"] == one["settings"]["stop_ids"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 5.0])  # this tiny target samples varied text only when hot
+def test_batch_size_gives_the_results_of_batch_one(tiny_setup, tmp_path, temperature):
+    """--batch-size 2 (records decoded two at a time, turn by turn; the target-only check
+    batched too) writes what --batch-size 1 writes, timings aside; an odd record count leaves
+    a batch of one, and the speedup is still timed at batch size 1."""
+    _, _, _, folder = tiny_setup
+    prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]},
+                                                      {"turns": ["Name a fruit.", "Another?"]}])
+    docs = {}
+    for batch_size in (1, 2):
+        out = tmp_path / f"batch-{batch_size}.json"
+        assert main(["eval", "--target", TINY, "--drafter", str(folder), "--prompts", f"{prompts},gsm8k",
+                     "--limit", "3", "--max-new-tokens", "12", "--speedup-turns", "2", "--temperature",
+                     str(temperature), "--device", "cpu", "--batch-size", str(batch_size), "--output", str(out)]) == 0
+        docs[batch_size] = json.loads(out.read_text())
+    assert _without_timings(docs[2]) == _without_timings(docs[1])
+    assert [len(p["output_ids"]) for p in docs[2]["prompts"]] == [2, 1, 2, 1, 1, 1]
+    assert all(s["mismatched_turns"] == 0 for s in docs[2]["per_set"].values())
+    assert docs[2]["settings"]["batch_size"] == 2 and docs[2]["speedup_turns"] == 4 and docs[2]["speedup"] > 0
 
 
 def test_a_failing_worker_fails_the_command(tmp_path, capsys):
@@ -225,6 +248,7 @@ def test_a_failing_worker_fails_the_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "worker" in err and "no-such-drafter" in err
     assert main(["eval", "--target", TINY, "--drafter", "x", "--prompts", str(prompts), "--workers", "0",
-                 "--speedup-turns", "-1", "--output", str(tmp_path / "e.json")]) == 2
+                 "--speedup-turns", "-1", "--batch-size", "0", "--output", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err
     assert "--workers must be >= 1" in err and "--speedup-turns must be >= 0" in err
+    assert "--batch-size must be >= 1" in err

@@ -1,18 +1,20 @@
 """Speculative decoding: losslessness against target-only decoding (tiny random models and real
 SmolLM2 weights), the drafter cache against fresh forwards, test-double proposers (oracle ->
-tau = B, always wrong -> tau = 1), sampling, stop tokens, cache cropping, statistics."""
+tau = B, always wrong -> tau = 1), sampling, stop tokens, cache cropping, statistics; batched
+decoding against batch-1 decoding row by row (tokens, acceptance lengths, stops, samples)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
 from dflash_train import specdec
 from dflash_train.target import LayerTaps
 from dflash_train.specdec import (DFlashProposer, acceptance_histogram, choose_tokens, crop_cache,
-                                  mean_acceptance, speculative_generate, target_generate, turn_mean_tau)
+                                  mean_acceptance, speculative_generate, speculative_generate_batch,
+                                  target_generate, target_generate_batch, turn_mean_tau)
 
 VOCAB = 128  # tiny_target_config; the tiny drafter's mask token is 127
 
@@ -27,45 +29,82 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _per_row(reference) -> list[list[int]]:
+    """One reference (batch 1) or one per row (batched)."""
+    return [list(reference)] if isinstance(reference[0], int) else [list(r) for r in reference]
+
+
 class OracleProposer:
-    """Proposes the reference continuation (prompt + target output); `wrong=True` proposes a
-    different token at every position instead. Needs no target features."""
+    """Proposes the reference continuation (prompt + target output) of each row; `wrong=True`
+    proposes a different token at every position instead. Needs no target features. Batched,
+    it follows `keep_rows` to know which prompt each row is, and checks that every row's
+    committed ids are its reference (so a row mix-up fails loudly)."""
 
     target_layer_ids: list[int] = []
 
-    def __init__(self, reference: list[int], block_size: int, wrong: bool = False) -> None:
-        self.reference, self.block_size, self.wrong = list(reference), block_size, wrong
+    def __init__(self, reference, block_size: int, wrong: bool = False) -> None:
+        self.references, self.block_size, self.wrong = _per_row(reference), block_size, wrong
+        self.reset()
 
     def reset(self) -> None:
-        pass
+        self.rows = list(range(len(self.references)))
+
+    def keep_rows(self, index_R) -> None:
+        self.rows = [self.rows[i] for i in index_R.tolist()]
+
+    def _propose(self, reference: list[int], s: int) -> torch.Tensor:
+        ids = torch.tensor((reference[s + 1 : s + self.block_size] + [0] * self.block_size)[: self.block_size - 1])
+        return (ids + 1) % VOCAB if self.wrong else ids
 
     def propose(self, sequence_ids_1S, context_1TF):
-        s = sequence_ids_1S.shape[1] - 1
-        ref = (self.reference[s + 1 : s + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
-        ids = torch.tensor(ref)
-        return (ids + 1) % VOCAB if self.wrong else ids
+        return self._propose(self.references[0], sequence_ids_1S.shape[1] - 1)
+
+    def propose_batch(self, sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor):
+        anchors = anchor_R.tolist()
+        assert max_anchor == max(anchors) and len(anchors) == len(self.rows)
+        for seq, s, row in zip(sequence_ids_RS, anchors, self.rows):
+            assert seq[: s + 1].tolist() == self.references[row][: s + 1], "committed ids of another row"
+        return torch.stack([self._propose(self.references[row], s) for row, s in zip(self.rows, anchors)])
 
 
 class MixedProposer:
     """The real DFlash proposer (so its cache bookkeeping runs), with a random-length prefix of
-    its proposals replaced by the reference: every acceptance length 1..B occurs. Records what
-    the drafter itself proposed for each committed sequence."""
+    its proposals replaced by the reference: every acceptance length 1..B occurs. The prefix
+    length depends only on (row seed, anchor position), so batch-1 and batched runs of a row
+    mix alike. Records what the drafter itself proposed for each committed sequence."""
 
-    def __init__(self, inner: DFlashProposer, reference: list[int], seed: int = 0) -> None:
-        self.inner, self.reference = inner, list(reference)
+    def __init__(self, inner: DFlashProposer, reference, seed=0) -> None:
+        self.inner, self.oracle = inner, OracleProposer(reference, inner.block_size)
+        self.seeds = [seed] * len(self.oracle.references) if isinstance(seed, int) else list(seed)
         self.block_size, self.target_layer_ids = inner.block_size, inner.target_layer_ids
-        self.gen = torch.Generator().manual_seed(seed)
         self.raw: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def reset(self) -> None:
         self.inner.reset()
+        self.oracle.reset()
+
+    def keep_rows(self, index_R) -> None:
+        self.inner.keep_rows(index_R)
+        self.oracle.keep_rows(index_R)
+
+    def _mix(self, row: int, s: int, oracle: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seeds[row] * 7919 + s)
+        k = int(torch.randint(0, self.block_size, (1,), generator=gen))
+        return torch.cat([oracle[:k], raw[k:]])
 
     def propose(self, sequence_ids_1S, context_1TF):
         raw = self.inner.propose(sequence_ids_1S, context_1TF)
         self.raw.append((sequence_ids_1S.clone(), raw.clone()))
-        oracle = OracleProposer(self.reference, self.block_size).propose(sequence_ids_1S, None)
-        k = int(torch.randint(0, self.block_size, (1,), generator=self.gen))
-        return torch.cat([oracle[:k], raw[k:]])
+        return self._mix(0, sequence_ids_1S.shape[1] - 1, self.oracle.propose(sequence_ids_1S, None), raw)
+
+    def propose_batch(self, sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor):
+        raw_RK = self.inner.propose_batch(sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor)
+        oracle_RK = self.oracle.propose_batch(sequence_ids_RS, anchor_R, None, context_len_R, max_anchor)
+        out = []
+        for i, (row, s) in enumerate(zip(self.oracle.rows, anchor_R.tolist())):
+            self.raw.append((sequence_ids_RS[i : i + 1, : s + 1].clone(), raw_RK[i].clone()))
+            out.append(self._mix(row, s, oracle_RK[i], raw_RK[i]))
+        return torch.stack(out)
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -263,3 +302,135 @@ def test_stop_token_ids_include_end_of_turn(smollm2_tokenizer):
     ids = specdec.stop_token_ids(smollm2_tokenizer)
     assert smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     assert smollm2_tokenizer.eos_token_id in ids
+
+
+# --------------------------------------------------------------------------- batched decoding
+
+
+def row_prompts(seed: int, lengths=(1, 6, 29, 13)) -> list[list[int]]:
+    """Prompts of different lengths, one per row."""
+    return [random_prompt(n, seed + n) for n in lengths]
+
+
+def fresh_proposals_match(model, drafter, raw: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """What the drafter proposed for each committed sequence == one fresh batch-1 forward on all
+    of that sequence's context."""
+    fresh = DFlashProposer.for_target(drafter, model)
+    for seq_1S, proposals in raw:
+        with torch.no_grad(), LayerTaps(model, drafter.target_layer_ids) as taps:
+            model(input_ids=seq_1S[:, :-1])
+            context = taps.features()
+        fresh.reset()
+        assert torch.equal(fresh.propose(seq_1S, context), proposals)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_batched_greedy_is_lossless_and_matches_batch_one(tiny_target, sliding_window):
+    """Rows of different prompt lengths that end at different points (a stop token, the
+    budget): each row's output is batch-1 target-only greedy output, its acceptance lengths
+    are batch-1 speculative decoding's, and the batched drafter proposes what a fresh batch-1
+    forward on the row's context proposes."""
+    prompts, new, B, seeds = row_prompts(200), 25, 4, [1, 2, 3, 4]
+    full = [p + target_generate(tiny_target, p, new + B).output_ids for p in prompts]
+    stop = [full[2][len(prompts[2]) + 9]]  # ends row 2 early (and any other row that meets it)
+    refs = [target_generate(tiny_target, p, new, stop_ids=stop) for p in prompts]
+    assert {r.stopped for r in refs} == {True, False} and len({len(r.output_ids) for r in refs}) > 1
+    batched_target = target_generate_batch(tiny_target, prompts, new, stop_ids=stop)
+    assert [(g.output_ids, g.stopped) for g in batched_target] == [(r.output_ids, r.stopped) for r in refs]
+    drafter = tiny_drafter(num_layers=2, block_size=B, sliding_window=sliding_window, num_taps=3)
+    inner = DFlashProposer.for_target(drafter, tiny_target)
+    mixed = MixedProposer(inner, full, seed=seeds)
+    for proposer, single in ((inner, lambda i: inner), (mixed, lambda i: MixedProposer(inner, full[i], seeds[i]))):
+        batched = speculative_generate_batch(tiny_target, prompts, proposer, new, stop_ids=stop)
+        for i, (prompt, ref, gen) in enumerate(zip(prompts, refs, batched)):
+            one = speculative_generate(tiny_target, prompt, single(i), new, stop_ids=stop)
+            assert gen.output_ids == ref.output_ids and gen.stopped == ref.stopped
+            assert gen.acceptance_lengths == one.acceptance_lengths
+            assert 1 + sum(gen.acceptance_lengths) == len(gen.output_ids)
+    assert len({n for g in batched for n in g.acceptance_lengths}) > 2, "several acceptance lengths must occur"
+    fresh_proposals_match(tiny_target, drafter, mixed.raw)
+
+
+def test_batched_oracle_gives_tau_block_size_and_wrong_gives_one(tiny_target):
+    B, prompts = 4, row_prompts(300)
+    new = 1 + 5 * B
+    full = [p + target_generate(tiny_target, p, new).output_ids for p in prompts]
+    refs = [f[len(p):] for p, f in zip(prompts, full)]
+    oracle = speculative_generate_batch(tiny_target, prompts, OracleProposer(full, B), new)
+    assert [g.output_ids for g in oracle] == refs
+    assert all(g.acceptance_lengths == [B] * 5 for g in oracle)
+    wrong = speculative_generate_batch(tiny_target, prompts, OracleProposer(full, B, wrong=True), new)
+    assert [g.output_ids for g in wrong] == refs and all(g.acceptance_lengths == [1] * (new - 1) for g in wrong)
+    cut = speculative_generate_batch(tiny_target, prompts, OracleProposer(full, B), 11)
+    assert all(g.acceptance_lengths == [4, 4, 2] and not g.stopped for g in cut)
+    # A stop token inside an oracle cycle of row 1: that row leaves the batch early, mid-cycle.
+    j = next(i for i, t in enumerate(refs[1]) if i >= 2 and (i - 1) % B != B - 1 and t not in refs[1][:i])
+    stopped = speculative_generate_batch(tiny_target, prompts, OracleProposer(full, B), new, stop_ids=[refs[1][j]])
+    for prompt, f, gen in zip(prompts, full, stopped):
+        one = speculative_generate(tiny_target, prompt, OracleProposer(f, B), new, stop_ids=[refs[1][j]])
+        assert (gen.output_ids, gen.acceptance_lengths, gen.stopped) == (one.output_ids, one.acceptance_lengths,
+                                                                         one.stopped)
+    assert stopped[1].output_ids == refs[1][: j + 1] and stopped[1].acceptance_lengths[-1] < B
+
+
+def test_batched_sampling_gives_the_samples_of_batch_one(tiny_target):
+    """T > 0: each row draws exactly its batch-1 noise (its own seed, its own positions)."""
+    prompts = row_prompts(400)
+    prompts.append(prompts[1])  # the same prompt with another seed samples another answer
+    seeds, T, new = [5, 6, 7, 8, 9], 0.8, 20
+    samples = [target_generate(tiny_target, p, new + 4, temperature=T, seed=s).output_ids
+               for p, s in zip(prompts, seeds)]
+    assert samples[1] != samples[4]
+    batched_target = target_generate_batch(tiny_target, prompts, new, temperature=T, seed=seeds)
+    assert [g.output_ids for g in batched_target] == [s[:new] for s in samples]
+    inner = DFlashProposer.for_target(tiny_drafter(block_size=4), tiny_target)
+    full = [p + s for p, s in zip(prompts, samples)]
+    batched = speculative_generate_batch(tiny_target, prompts, MixedProposer(inner, full, seed=seeds), new,
+                                         temperature=T, seed=seeds)
+    for i, (prompt, sample, gen) in enumerate(zip(prompts, samples, batched)):
+        one = speculative_generate(tiny_target, prompt, MixedProposer(inner, full[i], seeds[i]), new,
+                                   temperature=T, seed=seeds[i])
+        assert gen.output_ids == one.output_ids == sample[:new]
+        assert gen.acceptance_lengths == one.acceptance_lengths
+    assert max(n for g in batched for n in g.acceptance_lengths) > 1
+
+
+def test_batched_sliding_window_target_is_lossless():
+    """A target mixing sliding-window and full layers (Qwen3 layout), prompts longer than the
+    window: batched decoding gives transformers' own greedy output row by row."""
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+
+    torch.manual_seed(2)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=5, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(cfg).eval()
+    prompts, new = row_prompts(500, (3, 17, 9)), 16
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    assert [g.output_ids for g in target_generate_batch(model, prompts, new)] == refs
+    drafter = DFlashDrafter(build_drafter_config(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=127))
+    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2])
+    batched = speculative_generate_batch(model, prompts, mixed, new)
+    assert [g.output_ids for g in batched] == refs
+    assert max(n for g in batched for n in g.acceptance_lengths) > 1
+
+
+def test_real_smollm2_batched_greedy_is_lossless(smollm2_path, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.evaluate import prompt_ids
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=8,
+                                                 mask_token_id=len(smollm2_tokenizer) - 1)).eval()
+    prompts = [prompt_ids(smollm2_tokenizer, [{"role": "user", "content": text}])
+               for text in ("What is the capital of France?", "Hi", "Name three prime numbers and explain why.")]
+    new, stop = 12, specdec.stop_token_ids(smollm2_tokenizer)
+    refs = [target_generate(model, p, new, stop_ids=stop).output_ids for p in prompts]
+    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2])
+    batched = speculative_generate_batch(model, prompts, mixed, new, stop_ids=stop)
+    assert [g.output_ids for g in batched] == refs
+    assert max(n for g in batched for n in g.acceptance_lengths) > 1
