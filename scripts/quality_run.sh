@@ -20,6 +20,7 @@
 #   TRAIN_ARGS []                            more section.key=value overrides for `train`
 #   EVAL_LIMIT [200]                         first N records of each prompt set
 #   EVAL_MAX_NEW_TOKENS [256]  SPEEDUP_TURNS [10]
+#   EVAL_BATCH_SIZE [16]                     prompts decoded together by each evaluation worker
 #   WORKERS [8]                              processes for regeneration and evaluation
 #   DEVICE [auto]  OUT [runs/quality]  PYTHON [.venv/bin/python if present, else python3]
 # The package is run as `python -m dflash_train.cli` with this checkout on PYTHONPATH, so an
@@ -41,6 +42,7 @@ TRAIN_ARGS="${TRAIN_ARGS:-}"
 EVAL_LIMIT="${EVAL_LIMIT:-200}"
 EVAL_MAX_NEW_TOKENS="${EVAL_MAX_NEW_TOKENS:-256}"
 SPEEDUP_TURNS="${SPEEDUP_TURNS:-10}"
+EVAL_BATCH_SIZE="${EVAL_BATCH_SIZE:-16}"
 WORKERS="${WORKERS:-8}"
 DEVICE="${DEVICE:-auto}"
 OUT="${OUT:-runs/quality}"
@@ -80,13 +82,13 @@ stage train "${CLI[@]}" train --output-dir "$OUT/train" "data.paths=[$REGEN]" "t
 # (c) evaluation at T=0
 stage eval "${CLI[@]}" eval --target "$TARGET" --drafter "$OUT/train/drafter" \
   --prompts mt-bench,humaneval,gsm8k --limit "$EVAL_LIMIT" --max-new-tokens "$EVAL_MAX_NEW_TOKENS" \
-  --temperature 0 --speedup-turns "$SPEEDUP_TURNS" --workers "$WORKERS" --device "$DEVICE" \
+  --temperature 0 --speedup-turns "$SPEEDUP_TURNS" --workers "$WORKERS" --batch-size "$EVAL_BATCH_SIZE" --device "$DEVICE" \
   --output "$OUT/eval.json"
 
 cat > "$OUT/timings.json" <<JSON
 {"regenerate_s": ${SECONDS_OF[regenerate]}, "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
  "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "train_steps": $TRAIN_STEPS,
- "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS,
+ "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS, "eval_batch_size": $EVAL_BATCH_SIZE,
  "workers": $WORKERS, "device": "$DEVICE"}
 JSON
 echo "== timings: regenerate ${SECONDS_OF[regenerate]} s, train ${SECONDS_OF[train]} s, eval ${SECONDS_OF[eval]} s"
