@@ -346,11 +346,14 @@ def layout_block_mask(layout: BlockLayout, sliding_window: int | None = None, bl
         full |= (j_J[None, :] * block >= lo_q[:, None]) & ((j_J[None, :] + 1) * block - 1 <= hi_q[:, None])
     partial = kept & ~full
 
-    def ordered(tiles):  # flex's layout: per query tile, the count and the kept indices first
-        tiles = tiles.to(torch.int32)
-        num = tiles.sum(dim=-1, dtype=torch.int32)
-        idx = torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
-        return num[None, None], idx[None, None]
+    def ordered(tiles):
+        """flex's layout: per query tile the count, then the kept key tiles in ascending order
+        followed by the others (a stable descending argsort, done as one scatter)."""
+        ones = tiles.to(torch.int64)
+        num = ones.sum(dim=-1)
+        slot = torch.where(tiles, ones.cumsum(-1) - 1, num[:, None] + (1 - ones).cumsum(-1) - 1)
+        idx = torch.empty_like(slot).scatter_(-1, slot, j_J.expand_as(slot))
+        return num.to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
 
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)
