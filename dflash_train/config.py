@@ -123,7 +123,7 @@ class TrainSection:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Drafter attention: auto = flex on CUDA, sdpa (dense mask) on CPU."""
     compile: bool = False
-    """torch.compile the drafter layers."""
+    """torch.compile the drafter layers and, on CUDA, the lm_head loss's per-chunk math."""
     anchor_multiple: int = 64
     """Anchor (block) counts per packed row are padded up to this times a power of two, and
     packed rows to data.token_budget tokens: a handful of shapes to compile, never a new one

@@ -50,36 +50,77 @@ def accepted_run_length(matches_NK: torch.Tensor) -> torch.Tensor:
     return matches_NK.to(torch.long).cumprod(dim=-1).sum(dim=-1)
 
 
+def _chunk_loss(h_CH, weight_VH, labels_C, w_C, need_grad: bool):
+    """One chunk of rows: (sum w * CE, argmax of the logits, d(sum w * CE)/dh or None).
+
+    Written for few passes over the [C, V] logits, which dominate the loss's memory traffic:
+    argmax on the logits as they come out of the matmul (no float copy), one log_softmax that
+    reads them and writes float32 log-probabilities, and one exp that writes the softmax
+    straight in the weight's dtype for the input-gradient matmul. d CE / d logits = softmax -
+    onehot(label); the label column is expm1(log p) in float32, so p - 1 keeps its precision
+    near p = 1. The row weights scale the [C, H] product instead of the [C, V] softmax.
+    Compiled (`compile=True` in `block_loss`), inductor fuses the same math into about two
+    passes over bf16 logits.
+    """
+    logits_CV = h_CH @ weight_VH.t()
+    preds_C = logits_CV.argmax(dim=-1)
+    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+    del logits_CV
+    picked_C = logp_CV.gather(-1, labels_C[:, None]).squeeze(-1)
+    loss = -(w_C * picked_C).sum()
+    if not need_grad:
+        return loss, preds_C, None
+    probs_CV = torch.empty_like(logp_CV, dtype=weight_VH.dtype)
+    torch.exp(logp_CV, out=probs_CV)  # one pass, written in the weight's dtype
+    del logp_CV
+    probs_CV.scatter_(-1, labels_C[:, None], torch.expm1(picked_C).to(weight_VH.dtype)[:, None])
+    grad_CH = (probs_CV @ weight_VH) * w_C[:, None]
+    return loss, preds_C, grad_CH
+
+
+_compiled_chunk_loss = None
+
+
+def _compiled_chunk():
+    global _compiled_chunk_loss
+    if _compiled_chunk_loss is None:
+        # Static shapes: block_loss pads the last chunk, so a run compiles one graph per
+        # (chunk rows, need_grad) and never one per batch.
+        _compiled_chunk_loss = torch.compile(_chunk_loss, dynamic=False, fullgraph=True)
+    return _compiled_chunk_loss
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_m w_m * CE(hidden_m @ W^T, label_m), computed chunk by chunk.
 
     The gradient with respect to `hidden` is formed in the forward, chunk by chunk, so only one
     chunk of logits is ever alive; backward only scales it. The lm_head weight belongs to the
-    frozen target and gets no gradient.
+    frozen target and gets no gradient. With `compiled`, every chunk has exactly `chunk_rows`
+    rows (the last one padded with zero rows of weight 0).
     """
 
     @staticmethod
-    def forward(ctx, hidden_MH, weight_VH, labels_M, row_w_M, chunk_rows: int):
+    def forward(ctx, hidden_MH, weight_VH, labels_M, row_w_M, chunk_rows: int, compiled: bool):
         M = hidden_MH.shape[0]
+        need_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden_MH.device)
         preds_M = torch.empty(M, dtype=torch.long, device=hidden_MH.device)
-        grad_MH = torch.empty_like(hidden_MH) if ctx.needs_input_grad[0] else None
+        grad_MH = torch.empty_like(hidden_MH) if need_grad else None
         w_M = row_w_M.to(torch.float32)
+        chunk = _compiled_chunk() if compiled else _chunk_loss
         for s in range(0, M, chunk_rows):
-            h = hidden_MH[s : s + chunk_rows]
-            logits = (h @ weight_VH.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            lab = labels_M[s : s + chunk_rows]
-            picked = logits.gather(-1, lab[:, None]).squeeze(-1)
-            w = w_M[s : s + chunk_rows]
-            loss += (w * (lse - picked)).sum()
-            preds_M[s : s + chunk_rows] = logits.argmax(dim=-1)
+            e = min(s + chunk_rows, M)
+            h, lab, w = hidden_MH[s:e], labels_M[s:e], w_M[s:e]
+            pad = chunk_rows - (e - s) if compiled else 0
+            if pad:
+                h = torch.nn.functional.pad(h, (0, 0, 0, pad))
+                lab = torch.nn.functional.pad(lab, (0, pad))
+                w = torch.nn.functional.pad(w, (0, pad))
+            part, preds, grad = chunk(h, weight_VH, lab, w, need_grad)
+            loss += part
+            preds_M[s:e] = preds[: e - s]
             if grad_MH is not None:
-                probs = torch.exp(logits - lse[:, None])
-                probs.scatter_add_(-1, lab[:, None], -torch.ones_like(picked)[:, None])
-                probs.mul_(w[:, None])
-                grad_MH[s : s + chunk_rows] = probs.to(weight_VH.dtype) @ weight_VH
-            del logits
+                grad_MH[s:e] = grad[: e - s]
         ctx.save_for_backward(grad_MH if grad_MH is not None else hidden_MH.new_empty(0))
         ctx.mark_non_differentiable(preds_M)
         return loss, preds_M
@@ -87,7 +128,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_preds):
         (grad_MH,) = ctx.saved_tensors
-        return (grad_MH * grad_loss.to(grad_MH.dtype), None, None, None, None)
+        return (grad_MH * grad_loss.to(grad_MH.dtype), None, None, None, None, None)
 
 
 @dataclass
@@ -114,11 +155,14 @@ def block_loss(
     block_size: int,
     gamma: float | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    compile: bool = False,
 ) -> BlockLossOutput:
     """Decayed cross-entropy of draft blocks plus the statistics of what would be accepted.
 
     Rows are N blocks of `block_size` (block-major). `valid_M` marks rows with a supervised
     target (k >= 1, inside the anchor's document). Labels of invalid rows are ignored.
+    `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
+    chunks are min(chunk_rows, rows) long, the last one padded).
     """
     M = hidden_MH.shape[0]
     assert M % block_size == 0, "rows must be whole blocks"
@@ -129,8 +173,9 @@ def block_loss(
     valid_NB = valid_M.view(N, block_size).to(torch.bool)
     row_w_M = (w_B[None, :] * valid_NB).flatten()
     labels_M = torch.where(valid_M.to(torch.bool), labels_M, torch.zeros_like(labels_M))
+    chunk_rows = max(1, min(int(chunk_rows), M)) if compile else max(1, int(chunk_rows))
     loss_sum, preds_M = _ChunkedLinearCrossEntropy.apply(
-        hidden_MH, lm_head_weight_VH, labels_M, row_w_M, max(1, int(chunk_rows))
+        hidden_MH, lm_head_weight_VH, labels_M, row_w_M, chunk_rows, compile
     )
     with torch.no_grad():
         correct_NB = (preds_M == labels_M).view(N, block_size) & valid_NB

@@ -2,8 +2,10 @@
 
 Owns: document ids of a packed row, per-document anchor sampling, the layout of the draft blocks
 (inputs, rope positions, labels, loss weights), and the mask rule. The rule is written once, as
-a flex-attention `mask_mod` over tensors; the flex `BlockMask` (CUDA), the dense boolean mask
-(CPU, sdpa) and the tests all evaluate that same function.
+a flex-attention `mask_mod` over tensors; the dense boolean mask (CPU, sdpa), the flex
+`BlockMask` (CUDA; the kernel applies the rule inside partial tiles) and the tests all evaluate
+that same function. Only the BlockMask's tile index is derived separately, from the layout, and
+tested against `create_block_mask`'s evaluation of the rule on every pair.
 
 Layout of one drafter forward on a packed row of T tokens with N blocks of B tokens:
 queries are the N*B block tokens (block n at rows n*B .. n*B+B-1); keys are
@@ -11,7 +13,8 @@ queries are the N*B block tokens (block n at rows n*B .. n*B+B-1); keys are
 predicts the tokens at a+1 .. a+B-1 of the same document.
 
 Shape legend: T packed tokens, N blocks, B block size, K = B - 1 predicted positions per block,
-Q = N*B query rows, KV = T + Q key columns.
+Q = N*B query rows, KV = T + Q key columns, R = query rows padded to whole BlockMask tiles,
+J = key tiles.
 """
 
 from __future__ import annotations
@@ -275,12 +278,88 @@ def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device 
 
 
 def flex_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, block: int = 128):
-    """A flex-attention BlockMask of the same rule; creation is compiled on CUDA."""
+    """A flex-attention BlockMask of a rule by evaluating it on every (query, key) pair
+    (`create_block_mask`, compiled on CUDA): the reference `layout_block_mask` is tested
+    against. Training does not use it: over ~1e5 x ~1e5 pairs it cost a fifth of a step."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     compiled = torch.device(device).type == "cuda"
     return create_block_mask(
         mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=block, _compile=compiled
+    )
+
+
+def layout_block_mask(layout: BlockLayout, sliding_window: int | None = None, block: int = 128):
+    """The flex-attention BlockMask of `layout.mask_mod(sliding_window)`, with its tiles read
+    off the layout instead of found by evaluating the rule on all Q x KV pairs.
+
+    Under the rule every query row (block n, offset k, anchor a) sees two contiguous key
+    ranges: context [s, a - 1] (s its document's start, raised to a + k - W + 1 under a window
+    W) and its own block [T + nB, T + nB + B - 1] (to T + nB + k under a window). A tile of
+    `block` rows x `block` keys is kept iff some row's range meets it, and is full iff every
+    row of the tile (all inside Q) has the whole tile inside one of its ranges: the same
+    partial and full tiles `create_block_mask` finds (tested against it). Flex applies the
+    rule (`mask_mod`) inside partial tiles and skips it in full ones, so the rule stays the
+    one definition and this is only its sparse index. Tensor ops on the layout's device: no
+    host sync, no loop over tiles; the tile grid is [ceil(Q/block), ceil(KV/block)].
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, T, N = layout.block_size, layout.num_ctx, layout.num_blocks
+    Q, KV = N * B, T + N * B
+    device = layout.anchors_N.device
+    nq, nkv = -(-Q // block), -(-KV // block)
+    rows_R = torch.arange(nq * block, device=device)  # R = query rows padded to whole tiles
+    n_R = (rows_R // B).clamp(max=N - 1)
+    k_R = rows_R % B
+    a_R = layout.anchors_N[n_R]
+    in_q_R = rows_R < Q
+    # Document start of the anchor (rope_block_NB[:, 0] is the anchor's in-document position).
+    ctx_lo_R = a_R - layout.rope_block_NB[n_R, 0]
+    ctx_hi_R = a_R - 1
+    blk_lo_R = T + n_R * B
+    blk_hi_R = blk_lo_R + (B - 1)
+    if sliding_window is not None:
+        ctx_lo_R = torch.maximum(ctx_lo_R, a_R + k_R - (sliding_window - 1))
+        blk_hi_R = blk_lo_R + k_R
+    ranges = [(ctx_lo_R, ctx_hi_R, in_q_R & (a_R >= 0)), (blk_lo_R, blk_hi_R, in_q_R)]
+    # Empty ranges (padding rows and blocks, anchors at a document start) become [KV, -1].
+    ranges = [
+        (torch.where(ok & (hi >= lo), lo, KV), torch.where(ok & (hi >= lo), hi, -1)) for lo, hi, ok in ranges
+    ]
+
+    # Kept tiles: per row, +1 at the first tile of each range and -1 past its last, summed
+    # over the rows of a query tile and accumulated along the keys (a difference array).
+    diff = torch.zeros(nq * (nkv + 1), dtype=torch.int32, device=device)
+    row_base_R = (rows_R // block) * (nkv + 1)
+    for lo_R, hi_R in ranges:
+        ok_R = (hi_R >= lo_R).to(torch.int32)
+        diff.index_add_(0, row_base_R + (lo_R // block).clamp(0, nkv), ok_R)
+        diff.index_add_(0, row_base_R + (hi_R // block + 1).clamp(0, nkv), -ok_R)
+    kept = diff.view(nq, nkv + 1).cumsum(dim=-1)[:, :nkv] > 0
+    # Full tiles: inside the intersection of one kind of range over the tile's rows.
+    j_J = torch.arange(nkv, device=device)
+    full = torch.zeros(nq, nkv, dtype=torch.bool, device=device)
+    for lo_R, hi_R in ranges:
+        lo_q = lo_R.view(nq, block).amax(dim=-1)
+        hi_q = hi_R.view(nq, block).amin(dim=-1)
+        full |= (j_J[None, :] * block >= lo_q[:, None]) & ((j_J[None, :] + 1) * block - 1 <= hi_q[:, None])
+    partial = kept & ~full
+
+    def ordered(tiles):
+        """flex's layout: per query tile the count, then the kept key tiles in ascending order
+        followed by the others (a stable descending argsort, done as one scatter)."""
+        ones = tiles.to(torch.int64)
+        num = ones.sum(dim=-1)
+        slot = torch.where(tiles, ones.cumsum(-1) - 1, num[:, None] + (1 - ones).cumsum(-1) - 1)
+        idx = torch.empty_like(slot).scatter_(-1, slot, j_J.expand_as(slot))
+        return num.to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+        mask_mod=layout.mask_mod(sliding_window), seq_lengths=(Q, KV),
     )
 
 
@@ -291,8 +370,8 @@ def build_attention_masks(
     backend: str,
 ) -> dict[str, object]:
     """One mask per kind of layer present ("full_attention", "sliding_attention"), built once
-    per step and shared by every layer of that kind. backend: "flex" -> BlockMask, "sdpa" ->
-    dense bool [Q, KV]."""
+    per step and shared by every layer of that kind. backend: "flex" -> BlockMask (tiles read
+    off the layout, `layout_block_mask`), "sdpa" -> dense bool [Q, KV]."""
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"attention backend must be 'flex' or 'sdpa', got {backend!r}")
     q_len = layout.num_blocks * layout.block_size
@@ -301,9 +380,8 @@ def build_attention_masks(
     masks: dict[str, object] = {}
     for kind in dict.fromkeys(layer_types):
         window = sliding_window if kind == SLIDING_ATTENTION else None
-        mod = layout.mask_mod(window)
         if backend == "flex":
-            masks[kind] = flex_block_mask(mod, q_len, kv_len, device)
+            masks[kind] = layout_block_mask(layout, window)
         else:
-            masks[kind] = dense_mask(mod, q_len, kv_len, device)
+            masks[kind] = dense_mask(layout.mask_mod(window), q_len, kv_len, device)
     return masks

@@ -181,6 +181,9 @@ class Trainer:
         self.attention = cfg.train.attention
         if self.attention == "auto":
             self.attention = "flex" if self.device.type == "cuda" else "sdpa"
+        # The loss's per-chunk math is compiled on CUDA only: there it is memory-bound passes
+        # over [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches.
+        self.compile_loss = cfg.train.compile and self.device.type == "cuda"
         if self.dist.is_drafter:
             if cfg.train.compile:
                 for layer in self.drafter.layers:
@@ -275,7 +278,8 @@ class Trainer:
             hidden = self.drafter(features_TF[None], noise_emb[None], layout.position_ids(), attention_mask=masks)[0]
         out = block_loss(hidden.to(self.target.lm_head_weight.dtype), self.target.lm_head_weight,
                          layout.labels(s.labels_T), layout.valid_NB.flatten(), self.block_size,
-                         gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows)
+                         gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows,
+                         compile=self.compile_loss)
         out.loss_sum = self.faults.poison_loss(self.step + 1, out.loss_sum)
         self.acc.add_loss(out)
         self.acc.add_batch(s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len)

@@ -1,5 +1,6 @@
-"""CUDA paths: compiled flex attention with a compiled BlockMask, forward and backward, against
-the dense path; bf16 train/serve consistency; the chunked loss on the GPU. Skipped without a
+"""CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
+the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager;
+the BlockMask read off the layout against create_block_mask, with no host sync. Skipped without a
 GPU (CI has none); run on the GPU machine with `python -m pytest tests/test_gpu.py`."""
 
 from __future__ import annotations
@@ -81,6 +82,52 @@ def test_chunked_loss_on_gpu_matches_fp32_reference():
     out = block_loss(hidden, weight, labels, valid, B, chunk_rows=128)
     ref = block_loss(hidden.float(), weight.float(), labels, valid, B, chunk_rows=M)
     assert abs(out.loss().item() - ref.loss().item()) / ref.loss().item() < 1e-2
+
+
+def test_compiled_loss_chunks_equal_eager_on_gpu():
+    """block_loss(compile=True), as the trainer runs it with train.compile on CUDA: bf16, a
+    padded last chunk, with and without the input gradient."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    M, V = 40 * B, 5000
+    hidden = torch.randn(M, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    labels = torch.randint(0, V, (M,), device="cuda", generator=g)
+    valid = torch.rand(M, device="cuda", generator=g) < 0.8
+    outs = []
+    for compile in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, compile=compile)  # 256 + 256 + 128
+        out.loss_sum.backward()
+        with torch.no_grad():
+            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, compile=compile)
+        outs.append((out, h.grad.float(), again))
+    (eager, g_eager, ng_eager), (comp, g_comp, ng_comp) = outs
+    assert abs(comp.loss_sum.item() - eager.loss_sum.item()) / eager.loss_sum.item() < 1e-3
+    assert ((g_comp - g_eager).norm() / g_eager.norm()).item() < 2e-2
+    assert abs(ng_comp.loss_sum.item() - comp.loss_sum.item()) / comp.loss_sum.item() < 1e-3
+    assert (comp.correct_K - eager.correct_K).abs().sum().item() <= 2  # bf16 near-ties may differ
+
+
+def test_layout_block_mask_on_gpu_equals_create_block_mask_without_host_syncs():
+    from dflash_train.masks import flex_block_mask, layout_block_mask
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, loss_mask = random_packed_row(gen, 12, max_len=700, pad=77)
+    anchors = sample_anchors(loss_mask, lengths, 200, step_generator(0, 0), pad_to_multiple=64, pow2_buckets=True)
+    layout = build_layout(anchors.cuda(), loss_mask.cuda(), lengths.cuda(), B)
+    Q = layout.num_blocks * B
+    for window in (None, 256):
+        torch.cuda.synchronize()
+        # Covers torch's BlockMask.from_kv_blocks (the q-side transpose) as well as our part.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = layout_block_mask(layout, window)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = flex_block_mask(layout.mask_mod(window), Q, layout.num_ctx + Q, "cuda")
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
 
 
 def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):

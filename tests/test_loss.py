@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.loss import accepted_run_length, block_loss, default_gamma, position_weights
+from dflash_train.loss import (_ChunkedLinearCrossEntropy, accepted_run_length, block_loss, default_gamma,
+                               position_weights)
 
 
 def _case(seed=0, N=7, B=4, H=16, V=50):
@@ -37,6 +38,63 @@ def test_loss_equals_weighted_cross_entropy_reference():
     out.loss().backward()
     ref.backward()
     torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def _reference(hidden, weight, labels, valid, B, gamma):
+    """Whole [M, V] logits in float64, F.cross_entropy, autograd: loss sum, argmax, gradient."""
+    h = hidden.detach().double().requires_grad_(True)
+    logits = h @ weight.double().t()
+    k = torch.arange(h.shape[0]) % B
+    w = torch.where(valid, torch.exp(-(k - 1).double() / gamma), torch.zeros((), dtype=torch.float64))
+    loss_sum = (w * F.cross_entropy(logits, torch.where(valid, labels, 0), reduction="none")).sum()
+    loss_sum.backward()
+    return loss_sum.detach(), logits.argmax(-1), h.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_preds_and_gradient_equal_full_logits_reference(dtype):
+    """The chunked math (argmax on the raw logits, float32 log-softmax, softmax written in the
+    weight's dtype, row weights after the matmul) against whole float64 logits: invalid rows,
+    out-of-vocabulary labels on them, a last partial chunk; bf16 as on the GPU."""
+    B, gamma = 4, 7.0
+    hidden, weight, labels, valid = _case(seed=11, N=9, B=B, H=32, V=300)
+    labels = torch.where(valid, labels, torch.full_like(labels, 10**6))
+    hidden, weight = (hidden * 0.5).to(dtype), weight.to(dtype)
+    ref_loss, ref_preds, ref_grad = _reference(hidden, weight, labels, valid, B, gamma)
+    h = hidden.clone().requires_grad_(True)
+    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=16)  # 36 rows: 16 + 16 + 4
+    out.loss_sum.backward()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.loss_sum.double(), ref_loss, **tol)
+    torch.testing.assert_close(h.grad.double(), ref_grad, **tol)
+    # Predictions: the argmax of the logits the matmul produced, every row (invalid ones too).
+    _, preds = _ChunkedLinearCrossEntropy.apply(hidden, weight, torch.where(valid, labels, 0),
+                                                valid.float(), 16, False)
+    assert torch.equal(preds, (hidden @ weight.t()).argmax(-1))
+    if dtype == torch.float32:
+        assert torch.equal(preds, ref_preds)
+
+
+def test_compiled_chunks_equal_eager():
+    """The torch.compile path (train.compile on CUDA) against the eager one, on CPU: padded
+    last chunk, loss, predictions and gradient. Skipped without a C++ compiler."""
+    import shutil
+
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    B = 4
+    hidden, weight, labels, valid = _case(seed=13, N=7, B=B, H=32, V=300)
+    hidden, weight = hidden.float(), weight.float()
+    outs = []
+    for compile in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile)  # 12 + 12 + 4
+        out.loss_sum.backward()
+        outs.append((out, h.grad))
+    (eager, g_eager), (comp, g_comp) = outs
+    torch.testing.assert_close(comp.loss_sum, eager.loss_sum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_comp, g_eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
 
 
 def test_chunked_and_unchunked_agree():

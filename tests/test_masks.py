@@ -11,6 +11,7 @@ from dflash_train.masks import (
     dense_mask,
     document_ids,
     flex_block_mask,
+    layout_block_mask,
     sample_anchors,
     step_generator,
 )
@@ -101,6 +102,76 @@ def test_flex_block_mask_equals_brute_force(window):
         assert full == {(i, j) for i in range(qt) for j in range(kt) if all_t[i, j]}
         # Inside partial tiles, flex evaluates the same mask_mod the dense mask comes from.
         assert torch.equal(dense_mask(bm.mask_mod, Q, KV, "cpu"), want)
+
+
+def _varied_layouts(num_cases):
+    """Several documents, padding past them, block sizes that do and do not divide the tile,
+    anchor lists padded with -1 to a multiple or to a multiple x 2^k."""
+    gen = torch.Generator().manual_seed(99)
+    for case in range(num_cases):
+        lengths, loss_mask = random_packed_row(gen, 1 + case % 5, max_len=40, pad=case % 7)
+        B = (4, 3, 5, 16)[case % 4]
+        anchors = sample_anchors(loss_mask, lengths, num_anchors=5, generator=gen,
+                                 pad_to_multiple=1 + case % 3, pow2_buckets=case % 2 == 1)
+        yield build_layout(anchors, loss_mask, lengths, B)
+
+
+def _expand(tiles_QK, tile, Q, KV):
+    return tiles_QK.repeat_interleave(tile, 0).repeat_interleave(tile, 1)[:Q, :KV]
+
+
+@pytest.mark.parametrize("window", [None, 3, 11])
+def test_layout_block_mask_is_an_exact_index_of_the_rule(window):
+    """The BlockMask read off the layout lists exactly the tiles create_block_mask finds by
+    evaluating the rule everywhere (partial and full, both directions), and what flex would
+    attend with it (the rule inside partial tiles, everything inside full ones) is the dense
+    mask."""
+    tile = 8
+    seen_full = seen_pad = False
+    for layout in _varied_layouts(24):
+        Q = layout.num_blocks * layout.block_size
+        KV = layout.num_ctx + Q
+        got = layout_block_mask(layout, window, block=tile)
+        ref = flex_block_mask(layout.mask_mod(window), Q, KV, "cpu", block=tile)
+        assert got.seq_lengths == ref.seq_lengths == (Q, KV)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        partial, full = (torch.zeros(got.kv_indices.shape[-2:], dtype=torch.bool) for _ in range(2))
+        for tiles, kind in ((partial, "kv"), (full, "full_kv")):
+            for i, j in _tiles(got, kind):
+                tiles[i, j] = True
+        assert not (partial & full).any()
+        assert torch.equal(got.to_dense()[0, 0].bool(), partial | full)
+        dense = dense_mask(layout.mask_mod(window), Q, KV, "cpu")
+        attended = (_expand(partial, tile, Q, KV) & dense_mask(got.mask_mod, Q, KV, "cpu")) | _expand(full, tile, Q, KV)
+        assert torch.equal(attended, dense)
+        seen_full |= bool(full.any())
+        seen_pad |= bool((layout.anchors_N < 0).any())
+    assert seen_full and seen_pad, "cases must cover full tiles and padding blocks"
+
+
+def test_layout_block_mask_tiles_at_training_size():
+    """At 128-row tiles on a row of realistic size: kept tiles are the ones holding a visible
+    pair of the dense mask, full tiles the ones all of whose pairs are visible."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([700, 37, 1200, 300])
+    T = int(lengths.sum()) + 51
+    loss_mask = torch.rand(T, generator=gen) < 0.7
+    anchors = sample_anchors(loss_mask, lengths, 40, generator=gen, pad_to_multiple=16, pow2_buckets=True)
+    layout = build_layout(anchors, loss_mask, lengths, 16)
+    Q = layout.num_blocks * 16
+    KV = T + Q
+    for window in (None, 300):
+        bm = layout_block_mask(layout, window)
+        dense = dense_mask(layout.mask_mod(window), Q, KV, "cpu")
+        nq, nkv = -(-Q // 128), -(-KV // 128)
+        padded = torch.zeros(nq * 128, nkv * 128, dtype=torch.bool)
+        padded[:Q, :KV] = dense
+        sums = padded.view(nq, 128, nkv, 128).sum(dim=(1, 3))
+        assert _tiles(bm, "kv") | _tiles(bm, "full_kv") == {tuple(ij) for ij in (sums > 0).nonzero().tolist()}
+        assert _tiles(bm, "full_kv") == {tuple(ij) for ij in (sums == 128 * 128).nonzero().tolist()}
+        assert _tiles(bm, "full_kv"), "a row this long must have full tiles"
 
 
 def test_build_attention_masks_one_per_layer_kind():
