@@ -3,7 +3,7 @@
 # evaluate it on MT-Bench, HumanEval and GSM8K at T=0. Run from the repository root:
 #
 #   scripts/quality_run.sh                                   # one GPU: the full run
-#   TARGET=bundled:tiny-random-llama NUM_RECORDS=4 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 \
+#   TARGET=bundled:tiny-random-llama NUM_RECORDS=4 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 REGEN_ARGS="--temperature 5" \
 #     EVAL_LIMIT=2 EVAL_MAX_NEW_TOKENS=16 DEVICE=cpu WORKERS=2 OUT=/tmp/qr scripts/quality_run.sh
 #                                                            # CPU smoke test
 #
@@ -15,6 +15,8 @@
 #   MAX_NEW_TOKENS [512]                     longest regenerated response (a small model's greedy
 #                                            loops otherwise run to the 2048 default)
 #   REGEN_BATCH_SIZE [32]                    prompts per generate call (chunks are 4 batches)
+#   REGEN_ARGS []                            more `data regenerate` options (the smoke test samples:
+#                                            the random tiny target answers blank lines below T~5)
 #   TRAIN_STEPS [4000]  TRAIN_TIME_S [600]   training ends at whichever comes first; the LR
 #                                            schedule follows TRAIN_STEPS
 #   TRAIN_ARGS []                            more section.key=value overrides for `train`
@@ -36,6 +38,7 @@ TARGET="${TARGET:-bundled:smollm2-135m-instruct}"
 NUM_RECORDS="${NUM_RECORDS:-2000}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-512}"
 REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-32}"
+REGEN_ARGS="${REGEN_ARGS:-}"
 TRAIN_STEPS="${TRAIN_STEPS:-4000}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-600}"
 TRAIN_ARGS="${TRAIN_ARGS:-}"
@@ -68,7 +71,7 @@ have=0
 if (( have < NUM_RECORDS )); then
   stage regenerate "${CLI[@]}" data regenerate --data "$DATA" --target "$TARGET" --out "$REGEN" \
     --limit "$((NUM_RECORDS - have))" --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH_SIZE" \
-    --workers "$WORKERS" --device "$DEVICE"
+    --workers "$WORKERS" --device "$DEVICE" $REGEN_ARGS  # shellcheck disable=SC2086
 else
   echo "== regenerate: $REGEN already holds $have records"; SECONDS_OF[regenerate]=0
 fi
