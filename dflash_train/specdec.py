@@ -111,13 +111,19 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
 
 
 def new_cache(model):
-    """An empty transformers DynamicCache for `model` that can be cropped back (sliding-window
-    layers record their past so that a rejected block can be removed)."""
+    """An empty transformers DynamicCache for `model` (cropped back after a rejected block)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    cache.activate_past_recording()
-    return cache
+    return DynamicCache(config=model.config)
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether a target config slides a window in any layer (as `target_masks` reads it).
+    With such layers, transformers 5.17's DynamicCache neither crops back reliably nor gives
+    our batch-1 loops greedy output equal to `generate`'s, so both batch-1 decoders run them
+    through the RowCache path as one row."""
+    types = set(getattr(config, "layer_types", None) or [])
+    return SLIDING_ATTENTION in types or (not types and getattr(config, "sliding_window", None) is not None)
 
 
 def crop_cache(cache, length: int) -> None:
@@ -349,9 +355,14 @@ class Generation:
 def target_generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
                     stop_ids: Iterable[int] = (), seed: int = 0) -> Generation:
     """Target-only decoding, one token per forward with a KV cache: the reference that
-    speculative decoding must reproduce, and the baseline of the speedup."""
+    speculative decoding must reproduce, and the baseline of the speedup. A target with
+    sliding-window layers is decoded by `target_generate_batch` as one row."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if has_sliding_layers(model.config):
+        prompt_1P = _prompt_tensor(prompt_ids, model.get_input_embeddings().weight.device)
+        return target_generate_batch(model, [prompt_1P[0].tolist()], max_new_tokens, temperature=temperature,
+                                     stop_ids=stop_ids, seed=seed)[0]
     device = model.get_input_embeddings().weight.device
     ids_1P = _prompt_tensor(prompt_ids, device)
     stop, P = set(stop_ids), ids_1P.shape[1]
@@ -376,9 +387,14 @@ def speculative_generate(model, prompt_ids, proposer: Proposer, max_new_tokens: 
                          temperature: float = 0.0, stop_ids: Iterable[int] = (), seed: int = 0) -> Generation:
     """Speculative decoding of one prompt (REFERENCE.md section 2) with `proposer` (usually a
     DFlashProposer) against the HF causal LM `model`. At T = 0 the output is token for token
-    the target-only greedy output; at T > 0 it is target_generate's sample with the same seed."""
+    the target-only greedy output; at T > 0 it is target_generate's sample with the same seed.
+    A target with sliding-window layers is decoded by `speculative_generate_batch` as one row."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if has_sliding_layers(model.config):
+        prompt_1P = _prompt_tensor(prompt_ids, model.get_input_embeddings().weight.device)
+        return speculative_generate_batch(model, [prompt_1P[0].tolist()], proposer, max_new_tokens,
+                                          temperature=temperature, stop_ids=stop_ids, seed=seed)[0]
     device = model.get_input_embeddings().weight.device
     prompt_1P = _prompt_tensor(prompt_ids, device)
     stop, P, B = set(stop_ids), prompt_1P.shape[1], int(proposer.block_size)

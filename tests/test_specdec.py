@@ -395,9 +395,20 @@ def test_batched_sampling_gives_the_samples_of_batch_one(tiny_target):
     assert max(n for g in batched for n in g.acceptance_lengths) > 1
 
 
+def greedy_without_cache(model, prompt, new: int) -> list[int]:
+    """Greedy continuation by a full forward of the whole sequence per token: the reference
+    that no cache bookkeeping can get wrong (transformers 5.17's `generate` does, on some
+    prompts longer than a sliding window)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
 def test_batched_sliding_window_target_is_lossless():
     """A target mixing sliding-window and full layers (Qwen3 layout), prompts longer than the
-    window: batched decoding gives transformers' own greedy output row by row."""
+    window: batched decoding gives the cache-free greedy output row by row."""
     from dflash_train.drafter import DFlashDrafter, build_drafter_config
 
     torch.manual_seed(2)
@@ -405,12 +416,11 @@ def test_batched_sliding_window_target_is_lossless():
                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=5, use_sliding_window=True,
                       layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="sdpa")
     model = Qwen3ForCausalLM(cfg).eval()
-    prompts, new = row_prompts(500, (3, 17, 9)), 16
-    refs = [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    prompts, new = row_prompts(500, (3, 17, 9)) + row_prompts(501, (9,)), 16
+    refs = [greedy_without_cache(model, p, new) for p in prompts]
     assert [g.output_ids for g in target_generate_batch(model, prompts, new)] == refs
     drafter = DFlashDrafter(build_drafter_config(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=127))
-    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2])
+    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2, 3])
     batched = speculative_generate_batch(model, prompts, mixed, new)
     assert [g.output_ids for g in batched] == refs
     assert max(n for g in batched for n in g.acceptance_lengths) > 1
@@ -430,7 +440,28 @@ def test_real_smollm2_batched_greedy_is_lossless(smollm2_path, smollm2_tokenizer
                for text in ("What is the capital of France?", "Hi", "Name three prime numbers and explain why.")]
     new, stop = 12, specdec.stop_token_ids(smollm2_tokenizer)
     refs = [target_generate(model, p, new, stop_ids=stop).output_ids for p in prompts]
-    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2])
+    mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2, 3])
     batched = speculative_generate_batch(model, prompts, mixed, new, stop_ids=stop)
     assert [g.output_ids for g in batched] == refs
     assert max(n for g in batched for n in g.acceptance_lengths) > 1
+
+
+def test_batch_one_decoding_of_a_sliding_window_target_is_lossless():
+    """Batch-1 target-only and speculative decoding of a target mixing sliding-window and full
+    layers (prompts longer than the window) give the cache-free greedy output (both used to fail
+    on the sliding layers' DynamicCache; the 9-token prompt is one where transformers' own
+    `generate` goes wrong)."""
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+
+    torch.manual_seed(2)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=5, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(cfg).eval()
+    drafter = DFlashDrafter(build_drafter_config(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=127))
+    for prompt in row_prompts(501, (17, 9)):
+        ref = greedy_without_cache(model, prompt, 16)
+        assert target_generate(model, prompt, 16).output_ids == ref
+        mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [prompt + ref], [0])
+        spec = speculative_generate(model, prompt, mixed, 16)
+        assert spec.output_ids == ref and max(spec.acceptance_lengths) > 1
