@@ -202,17 +202,21 @@ def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
     4-D mask (as given): one tensor, or a dict by layer type for models that mix full and
     sliding-window layers (Qwen2/3, ...); a config with a window and no layer types slides in
     every layer (Mistral)."""
-    types = set(getattr(config, "layer_types", None) or [])
-    window = getattr(config, "sliding_window", None)
-    if SLIDING_ATTENTION in types:
+    window = getattr(config, "sliding_window", None) if has_sliding_layers(config) else None
+    if window is not None and getattr(config, "layer_types", None):
         return {FULL_ATTENTION: causal_position_mask(query_pos_RQ, width),
                 SLIDING_ATTENTION: causal_position_mask(query_pos_RQ, width, window)}
-    return causal_position_mask(query_pos_RQ, width, None if types else window)
+    return causal_position_mask(query_pos_RQ, width, window)
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _one_prompt(model, prompt_ids) -> torch.Tensor:
+    """A batch-1 prompt, checked as batch-1 decoding checks it, as one row for the batched path."""
+    return _prompt_tensor(prompt_ids, model.get_input_embeddings().weight.device)[0]
 
 
 def _prompt_tensor(prompt_ids, device) -> torch.Tensor:
@@ -360,9 +364,8 @@ def target_generate(model, prompt_ids, max_new_tokens: int, *, temperature: floa
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if has_sliding_layers(model.config):
-        prompt_1P = _prompt_tensor(prompt_ids, model.get_input_embeddings().weight.device)
-        return target_generate_batch(model, [prompt_1P[0].tolist()], max_new_tokens, temperature=temperature,
-                                     stop_ids=stop_ids, seed=seed)[0]
+        return target_generate_batch(model, [_one_prompt(model, prompt_ids)], max_new_tokens,
+                                     temperature=temperature, stop_ids=stop_ids, seed=seed)[0]
     device = model.get_input_embeddings().weight.device
     ids_1P = _prompt_tensor(prompt_ids, device)
     stop, P = set(stop_ids), ids_1P.shape[1]
@@ -392,8 +395,7 @@ def speculative_generate(model, prompt_ids, proposer: Proposer, max_new_tokens: 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if has_sliding_layers(model.config):
-        prompt_1P = _prompt_tensor(prompt_ids, model.get_input_embeddings().weight.device)
-        return speculative_generate_batch(model, [prompt_1P[0].tolist()], proposer, max_new_tokens,
+        return speculative_generate_batch(model, [_one_prompt(model, prompt_ids)], proposer, max_new_tokens,
                                           temperature=temperature, stop_ids=stop_ids, seed=seed)[0]
     device = model.get_input_embeddings().weight.device
     prompt_1P = _prompt_tensor(prompt_ids, device)
@@ -458,6 +460,20 @@ def _row_seeds(seed: int | Sequence[int], num_rows: int) -> list[int]:
     return seeds
 
 
+def _check_budget(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def _start_rows(model, prompts, max_new_tokens: int, seed: int | Sequence[int]):
+    """What both batched decoders start from: the target's device, the right-padded prompts
+    [R, P] and their lengths, and one seed per row (arguments checked first)."""
+    _check_budget(max_new_tokens)
+    device = model.get_input_embeddings().weight.device
+    ids_RP, lengths = _prompt_rows(prompts, device)
+    return device, ids_RP, lengths, _row_seeds(seed, len(lengths))
+
+
 def _prefill_rows(model, ids_RP: torch.Tensor, lengths: list[int], cache: RowCache) -> torch.Tensor:
     """All prompts in one forward; the logits [R, V] at each row's last prompt position.
     Right padding with a causal mask: no real token sees padding, and a padding key at
@@ -485,13 +501,11 @@ def target_generate_batch(model, prompts, max_new_tokens: int, *, temperature: f
     each row's output is the one target_generate gives it (up to the rounding of batched
     forwards); `seed` is one seed for all rows or one per row. A finished row leaves the
     batch; `seconds` is the whole batch's."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not len(prompts):
+        _check_budget(max_new_tokens)
         return []
-    device = model.get_input_embeddings().weight.device
-    ids_RP, lengths = _prompt_rows(prompts, device)
-    stop, seeds = set(stop_ids), _row_seeds(seed, len(lengths))
+    device, ids_RP, lengths, seeds = _start_rows(model, prompts, max_new_tokens, seed)
+    stop = set(stop_ids)
     outs: list[list[int]] = [[] for _ in lengths]
     _sync(device)
     started = time.perf_counter()
@@ -532,14 +546,12 @@ def speculative_generate_batch(model, prompts, proposer: BatchProposer, max_new_
     (up to the rounding of batched forwards: exact in float32 on CPU in the tests); `seed` is
     one seed for all rows or one per row. A finished row leaves the batch (both caches drop
     it); `seconds` is the whole batch's."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not len(prompts):
+        _check_budget(max_new_tokens)
         return []
-    device = model.get_input_embeddings().weight.device
-    ids_RP, lengths = _prompt_rows(prompts, device)
+    device, ids_RP, lengths, seeds = _start_rows(model, prompts, max_new_tokens, seed)
     R, P, B = len(lengths), ids_RP.shape[1], int(proposer.block_size)
-    stop, seeds = set(stop_ids), _row_seeds(seed, R)
+    stop = set(stop_ids)
     outs: list[list[int]] = [[] for _ in range(R)]
     accepted: list[list[int]] = [[] for _ in range(R)]
     _sync(device)

@@ -72,13 +72,19 @@ def test_bf16_train_serve_consistency_with_flex():
     assert worst < 2e-2, worst
 
 
-def test_chunked_loss_on_gpu_matches_fp32_reference():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    M, V = 64 * B, 5000
+def random_loss_inputs(seed: int, M: int, V: int = 5000):
+    """bf16 hidden rows [M, H] and lm_head [V, H], labels, and ~80% valid rows, on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(M, H, device="cuda", generator=g, dtype=torch.bfloat16)
     weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     labels = torch.randint(0, V, (M,), device="cuda", generator=g)
     valid = torch.rand(M, device="cuda", generator=g) < 0.8
+    return hidden, weight, labels, valid
+
+
+def test_chunked_loss_on_gpu_matches_fp32_reference():
+    M = 64 * B
+    hidden, weight, labels, valid = random_loss_inputs(0, M)
     out = block_loss(hidden, weight, labels, valid, B, chunk_rows=128)
     ref = block_loss(hidden.float(), weight.float(), labels, valid, B, chunk_rows=M)
     assert abs(out.loss().item() - ref.loss().item()) / ref.loss().item() < 1e-2
@@ -87,12 +93,7 @@ def test_chunked_loss_on_gpu_matches_fp32_reference():
 def test_compiled_loss_chunks_equal_eager_on_gpu():
     """block_loss(compile=True), as the trainer runs it with train.compile on CUDA: bf16, a
     padded last chunk, with and without the input gradient."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    M, V = 40 * B, 5000
-    hidden = torch.randn(M, H, device="cuda", generator=g, dtype=torch.bfloat16)
-    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
-    labels = torch.randint(0, V, (M,), device="cuda", generator=g)
-    valid = torch.rand(M, device="cuda", generator=g) < 0.8
+    hidden, weight, labels, valid = random_loss_inputs(1, 40 * B)
     outs = []
     for compile in (False, True):
         h = hidden.clone().requires_grad_(True)
