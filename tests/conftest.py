@@ -3,6 +3,9 @@ and variants of that tokenizer with other chat templates."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -12,6 +15,15 @@ from dflash_train.drafter import DFlashDrafter, build_drafter_config
 # The tests' tensors are tiny: one intra-op thread avoids OpenMP hand-off costs that dominate
 # (and explode when the 2-core CI machine is busy with anything else).
 torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process (torchrun, the CLI): this checkout first on
+    PYTHONPATH, whatever PYTHONPATH already holds (packages installed with --target) after it."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def tiny_target_config(**overrides) -> LlamaConfig:

@@ -13,7 +13,7 @@ from dflash_train import bench, cli, flops
 from dflash_train.config import load_config
 from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
 
-from conftest import random_packed_row
+from conftest import random_packed_row, subprocess_env
 
 
 def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
@@ -167,7 +167,6 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     """torchrun, 2 CPU ranks (gloo): one JSON line from rank 0 alone, throughput over both
     ranks, and in the 1 + 1 split the target's stages, both queue waits and the bytes that
     crossed, equal to transport.py's wire format of what was trained on."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -179,7 +178,7 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
            "--peak-tflops", "1", "--output", str(tmp_path / "bench.json"), "train.num_threads=1",
            f"topology.mode={mode}"] + (["topology.num_target_ranks=1"] if mode == "disaggregated" else [])
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+                          env=subprocess_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert sum(line.startswith("{") for line in lines) == 1  # rank 0 alone reports

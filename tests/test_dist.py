@@ -20,6 +20,8 @@ from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
 from dflash_train.dist import Assignment, Dist
 
+from conftest import subprocess_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 20
@@ -35,7 +37,7 @@ def torchrun(out: Path, nproc: int, *overrides: str) -> list[str]:
             f"train.max_steps={STEPS}", "train.num_threads=1", *overrides]
 
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV = subprocess_env(OMP_NUM_THREADS="1")
 DISAGG = ("topology.mode=disaggregated", "topology.num_target_ranks=1")
 
 

@@ -12,7 +12,7 @@ from dflash_train.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.loss import block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 
-from conftest import random_packed_row, tiny_target_config
+from conftest import random_packed_row, subprocess_env, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -169,7 +169,6 @@ def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
     """The NCCL paths of the torchrun bench: gradient all-reduce (colocated), point-to-point
     shipments between GPUs (disaggregated 1 + 1); rank 0 reports."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -180,7 +179,7 @@ def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
            "train.num_threads=1", f"topology.mode={mode}"]
     cmd += ["topology.num_target_ranks=1"] if mode == "disaggregated" else []
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+                          env=subprocess_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["world_size"] == 2 and report["samples_per_s"] > 0 and report["mfu"] > 0
