@@ -5,6 +5,8 @@ trained a few steps with in-training evaluation, exported, loaded back and evalu
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from dflash_train.target import load_target_model
 from dflash_train import evaluate, specdec
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, load_config
+
+from conftest import ROOT, subprocess_env
 
 TINY = "bundled:tiny-random-llama"
 
@@ -252,3 +256,28 @@ def test_a_failing_worker_fails_the_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--workers must be >= 1" in err and "--speedup-turns must be >= 0" in err
     assert "--batch-size must be >= 1" in err
+
+
+def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
+    """The CPU smoke test in scripts/quality_run.sh's header (the same settings): regenerate,
+    train and evaluate with the tiny random target; every stage's output and the timings exist.
+    Keeps the script's defaults and knobs working with the CLI they call."""
+    header = (ROOT / "scripts" / "quality_run.sh").read_text()
+    settings = {"TARGET": TINY, "NUM_RECORDS": "4", "MAX_NEW_TOKENS": "8",
+                "TRAIN_STEPS": "4", "TRAIN_ARGS": "", "REGEN_ARGS": "--temperature 5", "EVAL_LIMIT": "2",
+                "EVAL_MAX_NEW_TOKENS": "16", "EVAL_BATCH_SIZE": "2", "DEVICE": "cpu", "WORKERS": "2"}
+    for key, value in settings.items():  # the header documents this very command
+        assert (f"{key}={value} " if " " not in value else f'{key}="{value}"') in header, key
+    out = tmp_path / "qr"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "quality_run.sh")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sum(1 for _ in open(out / "regenerated.jsonl")) == 4
+    assert (out / "train" / "drafter" / "config.json").is_file()
+    result = json.loads((out / "eval.json").read_text())
+    assert set(result["per_set"]) == {"mt-bench", "humaneval", "gsm8k"} and result["tau"] >= 1.0
+    assert all(v["mismatched_turns"] == 0 for v in result["per_set"].values())  # float32 on CPU: lossless
+    timings = json.loads((out / "timings.json").read_text())
+    assert timings["train_steps"] == 4 and timings["train_gpus"] == 1 and timings["train_s"] > 0
+    assert (out / "eval.md").is_file() and (out / "eval.png").is_file()
