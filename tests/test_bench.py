@@ -13,7 +13,7 @@ from dflash_train import bench, cli, flops
 from dflash_train.config import load_config
 from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
 
-from conftest import random_packed_row, subprocess_env
+from conftest import ROOT, random_packed_row, subprocess_env
 
 
 def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
@@ -169,15 +169,13 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     crossed, equal to transport.py's wire format of what was trained on."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     steps = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "dflash_train.cli", "bench", "--workload", "tiny", "--steps", str(steps), "--warmup", "1",
            "--peak-tflops", "1", "--output", str(tmp_path / "bench.json"), "train.num_threads=1",
            f"topology.mode={mode}"] + (["topology.num_target_ranks=1"] if mode == "disaggregated" else [])
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env=subprocess_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()

@@ -20,9 +20,8 @@ from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
 from dflash_train.dist import Assignment, Dist
 
-from conftest import subprocess_env
+from conftest import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 20
 

@@ -12,7 +12,7 @@ from dflash_train.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.loss import block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 
-from conftest import random_packed_row, subprocess_env, tiny_target_config
+from conftest import ROOT, random_packed_row, subprocess_env, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -171,14 +171,12 @@ def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "dflash_train.cli", "bench", "--workload", "tiny", "--steps", "3", "--warmup", "2",
            "train.num_threads=1", f"topology.mode={mode}"]
     cmd += ["topology.num_target_ranks=1"] if mode == "disaggregated" else []
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=subprocess_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
