@@ -196,6 +196,22 @@ def record_turn_seed(seed: int, index: int, turn: int) -> int:
     return seed * 1_000_003 + index * 101 + turn
 
 
+def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]], tokenizer,
+              gen: specdec.Generation, base: specdec.Generation | None) -> None:
+    """Book one decoded turn of a record: `gen`'s acceptance lengths, output and timing, with
+    `base` (the target-only decoding, if run) its timing and whether the outputs differ; our
+    answer becomes the next assistant message, which the record's next turn sees."""
+    entry["acceptance_lengths"].append(gen.acceptance_lengths)
+    entry["output_ids"].append(gen.output_ids)
+    stat = TurnStats(gen.seconds, len(gen.output_ids))
+    if base is not None:
+        stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
+        stat.mismatched = base.output_ids != gen.output_ids
+    stats.append(stat)
+    answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
+    messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+
+
 def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, *, name: str,
                   max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
                   baseline: bool) -> tuple[dict, list[TurnStats]]:
@@ -213,17 +229,9 @@ def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, 
         turn_seed = record_turn_seed(seed, index, turn)
         gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
                                            stop_ids=stop_ids, seed=turn_seed)
-        entry["acceptance_lengths"].append(gen.acceptance_lengths)
-        entry["output_ids"].append(gen.output_ids)
-        stat = TurnStats(gen.seconds, len(gen.output_ids))
-        if baseline:
-            base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
-                                           stop_ids=stop_ids, seed=turn_seed)
-            stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
-            stat.mismatched = base.output_ids != gen.output_ids
-        stats.append(stat)
-        answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
-        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+        base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
+                                       stop_ids=stop_ids, seed=turn_seed) if baseline else None
+        _add_turn(entry, stats, messages, tokenizer, gen, base)
     entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
     return entry, stats
 
@@ -250,15 +258,7 @@ def decode_records(model, tokenizer, proposer, records: list[tuple[int, PromptRe
         bases = specdec.target_generate_batch(model, prompts, max_new_tokens, temperature=temperature,
                                               stop_ids=stop_ids, seed=seeds) if baseline else [None] * len(rows)
         for k, gen, base in zip(rows, gens, bases):
-            entries[k]["acceptance_lengths"].append(gen.acceptance_lengths)
-            entries[k]["output_ids"].append(gen.output_ids)
-            stat = TurnStats(gen.seconds, len(gen.output_ids))
-            if base is not None:
-                stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
-                stat.mismatched = base.output_ids != gen.output_ids
-            stats[k].append(stat)
-            answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
-            messages[k].append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+            _add_turn(entries[k], stats[k], messages[k], tokenizer, gen, base)
     for entry in entries:
         entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
     return list(zip(entries, stats))

@@ -494,6 +494,15 @@ def _live_rows(rows: list[int], outs: list[list[int]], stop: set[int], max_new_t
     return [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
 
 
+def _keep_live(live: list[int], rows: list[int], caches, *tensors_R):
+    """Drop the finished rows: keep the batch indices `live` in every cache (`keep_rows`) and
+    every per-row tensor (None stays None); returns the live rows' prompt indices and tensors."""
+    index = torch.tensor(live, device=next(t for t in tensors_R if t is not None).device)
+    for cache in caches:
+        cache.keep_rows(index)
+    return [rows[i] for i in live], *(None if t is None else t.index_select(0, index) for t in tensors_R)
+
+
 @torch.inference_mode()
 def target_generate_batch(model, prompts, max_new_tokens: int, *, temperature: float = 0.0,
                           stop_ids: Iterable[int] = (), seed: int | Sequence[int] = 0) -> list[Generation]:
@@ -522,9 +531,7 @@ def target_generate_batch(model, prompts, max_new_tokens: int, *, temperature: f
         if not live:
             break
         if len(live) < len(rows):
-            index = torch.tensor(live, device=device)
-            cache.keep_rows(index)
-            token_R, pos_R, rows = token_R.index_select(0, index), pos_R.index_select(0, index), [rows[i] for i in live]
+            rows, token_R, pos_R = _keep_live(live, rows, [cache], token_R, pos_R)
         width = max(lengths[r] + len(outs[r]) for r in rows)
         cache.prepare(pos_R[:, None], width)
         logits_RV = model(input_ids=token_R[:, None], position_ids=pos_R[:, None],
@@ -577,12 +584,8 @@ def speculative_generate_batch(model, prompts, proposer: BatchProposer, max_new_
             if not live:
                 break
             if len(live) < len(rows):
-                index = torch.tensor(live, device=device)
-                cache.keep_rows(index)
-                proposer.keep_rows(index)
-                seq_RS, anchor_R, context_len_R = (t.index_select(0, index) for t in (seq_RS, anchor_R, context_len_R))
-                context_RTF = None if context_RTF is None else context_RTF.index_select(0, index)
-                rows = [rows[i] for i in live]
+                rows, seq_RS, anchor_R, context_len_R, context_RTF = _keep_live(
+                    live, rows, [cache, proposer], seq_RS, anchor_R, context_len_R, context_RTF)
             anchors = [lengths[r] + len(outs[r]) - 1 for r in rows]  # each row's last committed token
             proposals_RK = proposer.propose_batch(seq_RS, anchor_R, context_RTF, context_len_R, max(anchors))
             proposals_RK = proposals_RK.to(device=device, dtype=torch.long)
