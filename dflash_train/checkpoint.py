@@ -6,8 +6,7 @@ and the newest K are kept. Resume takes the newest checkpoint whose files match 
 says which it took and why it passed over others. Nothing is unpickled: weights are safetensors,
 optimizer state and RNG states load with `torch.load(weights_only=True)`, the rest is JSON.
 
-Also owns the stop flag set by SIGTERM/SIGINT, and the export of a drafter in the published
-format with its own modeling code (transformers `trust_remote_code=True` loads it).
+Also owns the stop flag set by SIGTERM/SIGINT. The served format of a drafter is export.py's.
 """
 
 from __future__ import annotations
@@ -237,28 +236,3 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def export_drafter(drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the published drafter format plus our modeling code, so that vLLM / SGLang and
-    `AutoModel.from_pretrained(out_dir, trust_remote_code=True)` both load it."""
-    import copy
-
-    import dflash_train.drafter as drafter_module
-    import dflash_train.modeling_dflash as modeling_module
-
-    out = Path(out_dir)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    exported = copy.deepcopy(drafter).to("cpu", dtype)
-    exported.save_pretrained(tmp)
-    cfg = json.loads((tmp / "config.json").read_text())
-    cfg["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(drafter_module.__file__, tmp / "drafter.py")
-    shutil.copyfile(modeling_module.__file__, tmp / "modeling_dflash.py")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

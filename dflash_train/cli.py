@@ -74,7 +74,8 @@ def run_export(args) -> int:
 
     import torch
 
-    from dflash_train.checkpoint import drafter_from_checkpoint, export_drafter
+    from dflash_train.checkpoint import drafter_from_checkpoint
+    from dflash_train.export import export_drafter
 
     try:
         drafter = drafter_from_checkpoint(Path(args.checkpoint))

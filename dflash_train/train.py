@@ -23,6 +23,7 @@ from dflash_train import checkpoint as ckpt
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.dist import Dist
 from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.export import export_drafter
 from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
 from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
@@ -411,7 +412,7 @@ class Trainer:
             return self.out / "checkpoints"
         if not self.dist.is_leader:
             return None
-        exported = ckpt.export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
+        exported = export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
         self.log(f"drafter exported to {exported}")
         return exported
 

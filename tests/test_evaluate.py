@@ -24,7 +24,7 @@ TINY = "bundled:tiny-random-llama"
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """The bundled tiny target (model, tokenizer) and an untrained drafter exported for it."""
-    from dflash_train.checkpoint import export_drafter
+    from dflash_train.export import export_drafter
     from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
 
     model, tokenizer = load_target_model(TINY, torch.device("cpu"), torch.float32)
