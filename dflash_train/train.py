@@ -22,7 +22,8 @@ import torch
 from dflash_train import checkpoint as ckpt
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.dist import Dist
-from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.drafter import (DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id,
+                                  tap_problem)
 from dflash_train.export import export_drafter
 from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
@@ -88,9 +89,9 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
         text = target_config.get_text_config()
         if drafter.config.hidden_size != text.hidden_size:
             problems.append(f"drafter.init_from: hidden size {drafter.config.hidden_size} != target's {text.hidden_size}")
-        bad = [i for i in drafter.target_layer_ids if i >= text.num_hidden_layers]
-        if bad:
-            problems.append(f"drafter.init_from: taps {bad} beyond the target's {text.num_hidden_layers} layers")
+        problem = tap_problem(drafter.target_layer_ids, text.num_hidden_layers)
+        if problem:
+            problems.append(f"drafter.init_from: taps {problem}")
         if drafter.mask_token_id >= vocab_rows:
             problems.append(f"drafter.init_from: mask token {drafter.mask_token_id} has no embedding row")
         if problems:
@@ -102,6 +103,7 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
             target_config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_id,
             target_layer_ids=d.target_layer_ids, num_taps=d.num_taps, sliding_window=d.sliding_window,
             layer_types=d.layer_types, intermediate_size=d.intermediate_size,
+            mask_token=mask_token_string(tokenizer, mask_id),
         )
     except ValueError as err:
         raise ConfigError([str(err)]) from err
