@@ -121,7 +121,11 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--temperature", type=float, default=0.0,
                        help="0 is greedy (default); above 0 samples")
     regen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling")
-    regen.add_argument("--batch-size", type=int, default=32, metavar="N", help="prompts per generate call")
+    regen.add_argument("--batch-size", type=int, default=64, metavar="N",
+                       help="turns decoded at once; a finished row is refilled with the next turn (default "
+                       "%(default)s; on a GPU try 256-512)")
+    regen.add_argument("--no-graphs", action="store_true",
+                       help="run every decoding step eagerly (no CUDA graphs; CPU always does)")
     regen.add_argument("--max-prompt-length", type=int, default=data.DEFAULT_MAX_LENGTH, metavar="N",
                        help="a conversation is cut before the first turn whose prompt is longer")
     regen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -169,6 +173,11 @@ def add_eval_command(commands) -> None:
     ev.add_argument("--speedup-turns", type=int, default=evaluate.DEFAULT_SPEEDUP_TURNS, metavar="K",
                     help="the speedup times the first K turns of each set, both decoders in one process with "
                     "nothing else running (default %(default)s)")
+    ev.add_argument("--eager-turns", type=int, default=evaluate.DEFAULT_EAGER_TURNS, metavar="K",
+                    help="on a GPU, the first K timed turns of each set are timed again with every step run "
+                    "eagerly, without CUDA graphs: `speedup_eager` beside `speedup` (default %(default)s; 0: skip)")
+    ev.add_argument("--no-graphs", action="store_true",
+                    help="run every decoding step eagerly (no CUDA graphs; CPU always does)")
     add_workers_argument(ev, "decode the prompts", "target and drafter copy", "results equal --workers 1's")
     ev.add_argument("--batch-size", type=int, default=1, metavar="N",
                     help="decode N records of a set per batch, turn by turn (with --workers: in each worker); "
@@ -187,8 +196,10 @@ def add_bench_command(commands) -> None:
         "tokens/s, useful-FLOP MFU, GPU idle share and peak memory; the last line is one JSON object. "
         "See docs/PERFORMANCE.md.",
     )
-    b.add_argument("--workload", required=True, choices=sorted(bench.WORKLOADS),
-                   help="; ".join(f"{k}: {w.description}" for k, w in bench.WORKLOADS.items()))
+    b.add_argument("--workload", required=True, choices=sorted([*bench.WORKLOADS, "decode"]),
+                   help="; ".join(f"{k}: {w.description}" for k, w in bench.WORKLOADS.items())
+                   + "; decode: the decoding engine (regeneration tokens/s by rows, batch-1 ms per token of "
+                   "both decoders, graphs and eager; docs/PERFORMANCE.md)")
     b.add_argument("--steps", type=int, default=None, metavar="N", help="timed steps (default: the workload's)")
     b.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="untimed steps first (default: the workload's; paper: one whole epoch)")
@@ -201,8 +212,26 @@ def add_bench_command(commands) -> None:
                    help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output")
     b.add_argument("--peak-tflops", type=float, default=None, metavar="X",
                    help="the chip's dense bf16 peak for MFU when it is not known by name")
+    b.add_argument("--rows", default=None, metavar="N,N,...",
+                   help="decode: row counts of the regeneration rate (default 1,64,256,512)")
+    b.add_argument("--eager-rows", default=None, metavar="N,N,...",
+                   help="decode: the row counts also measured without graphs (default: all of --rows)")
+    b.add_argument("--new-tokens", type=int, default=None, metavar="N", help="decode: tokens per request (128)")
+    b.add_argument("--target", default=None, metavar="DIR",
+                   help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.compile=true")
-    b.set_defaults(func=bench.run_cli)
+    b.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args) -> int:
+    if args.workload == "decode":
+        from dflash_train import decode_bench
+
+        return decode_bench.run_cli(args)
+    from dflash_train import bench
+
+    return bench.run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:
