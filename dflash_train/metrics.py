@@ -197,7 +197,7 @@ def quiet_progress_bars() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def format_eta(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -213,7 +213,7 @@ def console_line(record: dict, total_steps: int, eta_s: float | None) -> str:
     if record.get("eval_tau") is not None:
         parts.append(f"eval tau {record['eval_tau']:.2f}")
     parts += [f"tau~ {record['tau_estimate']:.2f}", f"{record['tokens_per_s']:.0f} tok/s",
-              f"{record['samples_per_s']:.2f} samples/s", f"eta {format_eta(eta_s) if eta_s is not None else '?'}",
+              f"{record['samples_per_s']:.2f} samples/s", f"eta {format_duration(eta_s) if eta_s is not None else '?'}",
               f"acc {record['acc']:.3f}", f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.2f}",
               f"ep {record['epoch']}"]
     if record.get("skipped_steps"):

@@ -146,10 +146,10 @@ def summarize(records: list[dict], drafter: Path | None) -> dict:
 
 def summary_lines(summary: dict) -> list[str]:
     """The last console lines of a run: steps and time, tau, the drafter, where the report is."""
-    from dflash_train.metrics import format_eta
+    from dflash_train.metrics import format_duration
 
     rate = summary["tokens_per_s"]
-    lines = [f"run: {summary['steps']} steps, training time {format_eta(summary['train_time_s'])}"
+    lines = [f"run: {summary['steps']} steps, training time {format_duration(summary['train_time_s'])}"
              + (f" ({rate:.0f} tokens/s, {summary['samples_per_s']:.2f} samples/s)" if rate else "")
              + (f", final loss {summary['final']['loss']:.4f}" if summary["final"]["loss"] is not None else "")]
     taus = [f"best {label} tau {b['value']:.2f} at step {b['step']}"
