@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(commands)
     add_eval_command(commands)
     add_bench_command(commands)
+    add_plot_command(commands)
     return parser
 
 
@@ -232,6 +233,22 @@ def run_bench_command(args) -> int:
     from dflash_train import bench
 
     return bench.run_cli(args)
+
+
+def add_plot_command(commands) -> None:
+    from dflash_train import plot
+
+    p = commands.add_parser(
+        "plot", help="draw a run's curves (PNG) and write its summary.json from metrics.jsonl",
+        description="Draw loss, learning rate, walked / served tau, tokens/s and the stage shares over "
+        "steps from RUN_DIR/metrics.jsonl (an overview and one PNG per panel beside it), write "
+        "RUN_DIR/summary.json and print the summary. `train` does the same when it ends.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (output_dir of `train`)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="the overview PNG; the panels go beside it as FILE's name + -loss.png, ... "
+                   "(default RUN_DIR/plots/run.png)")
+    p.set_defaults(func=plot.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

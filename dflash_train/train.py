@@ -29,7 +29,8 @@ from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
 from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
                                 step_generator)
-from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib
+from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib, quiet_progress_bars
+from dflash_train.plot import report_run
 from dflash_train.target import SidePacker, TargetHeads, finish_features, load_target, resolve_target_path
 from dflash_train.transport import Receiver, Sender, Shipment
 
@@ -415,7 +416,7 @@ class Trainer:
         if not self.dist.is_leader:
             return None
         exported = export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
-        self.log(f"drafter exported to {exported}")
+        report_run(self.out, exported, self.log)
         return exported
 
     def agree_stop(self, stop: ckpt.StopFlag, nonfinite: bool, failures: bool,
@@ -697,6 +698,7 @@ class Trainer:
 
 
 def train(cfg: Config, log=print) -> Path | None:
+    quiet_progress_bars()
     trainer = Trainer(cfg, log)
     result = trainer.run()
     trainer.dist.close()
