@@ -4,9 +4,10 @@ Owns `dflash-train data regenerate`: reading records with data.py's reader (bad 
 skipped and reported), rendering each assistant turn's context with the target's chat template,
 batched generation with left padding (greedy by default), and a resumable JSONL output in the
 input's format, written in fixed chunks that one process or several (`--workers`, each with its
-own copy of the target) regenerate, or that serving engines answer (`--server`, serving.py). Turn k of a conversation is generated from the user turns and the already
-regenerated turns before it, the context the target would really have had. The paper calls
-this data the largest lever on acceptance (REFERENCE.md 3).
+own copy of the target) regenerate, or that serving engines answer (`--server`, serving.py).
+Turn k of a conversation is generated from the user turns and the already regenerated turns
+before it, the context the target would really have had. The paper calls this data the largest
+lever on acceptance (REFERENCE.md 3).
 """
 
 from __future__ import annotations
