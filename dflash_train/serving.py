@@ -31,6 +31,7 @@ from dflash_train.data import Record, render
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_RETRIES = 3
+CONNECT_TIMEOUT_S = 10.0
 PROBE_PROMPT = "Hello"  # check()'s one-token request
 RETRIED_STATUS = (408, 409, 429)  # and every 5xx: the statuses the openai client retries
 
@@ -88,7 +89,9 @@ def describe(err: Exception, timeout: float) -> str:
     import openai
 
     if isinstance(err, openai.APITimeoutError):
-        return f"timed out after {timeout:g} s"
+        if timeout <= CONNECT_TIMEOUT_S:
+            return f"timed out after {timeout:g} s"
+        return f"timed out ({CONNECT_TIMEOUT_S:g} s to connect, {timeout:g} s to answer)"
     if isinstance(err, openai.APIConnectionError):
         return f"connection failed ({err.__cause__ or err})"
     if isinstance(err, openai.APIStatusError):
@@ -133,7 +136,9 @@ class ServerPool:
         if problems:
             raise ServerError("invalid server settings: " + "; ".join(problems))
         key = os.environ.get("OPENAI_API_KEY") or "none"  # local engines accept any key
-        self._servers = [_Server(u, openai.OpenAI(base_url=api_base(u), api_key=key, timeout=timeout,
+        # A host that drops packets fails within CONNECT_TIMEOUT_S, not after a whole answer's time.
+        timeouts = openai.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+        self._servers = [_Server(u, openai.OpenAI(base_url=api_base(u), api_key=key, timeout=timeouts,
                                                   max_retries=retries), model) for u in urls]
         self.concurrency, self.timeout, self.retries = concurrency, timeout, retries
         self._lock = threading.Lock()
