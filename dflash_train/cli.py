@@ -134,8 +134,29 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--limit", type=int, default=None, metavar="N",
                        help="stop after N more records (the output stays resumable)")
     add_workers_argument(regen, "regenerate chunks", "target copy", "the output equals --workers 1's")
+    add_server_arguments(regen)
     regen.set_defaults(func=regenerate.run_regenerate)
 
+
+def add_server_arguments(parser) -> None:
+    """`data regenerate --server`: the turns answered by OpenAI-compatible serving engines."""
+    from dflash_train import serving
+
+    group = parser.add_argument_group(
+        "serving engines", "send every turn, rendered with --target's chat template, to the /v1/completions "
+        "endpoint of vLLM, SGLang or `transformers serve` instead of generating here")
+    group.add_argument("--server", action="append", metavar="URL",
+                       help="base URL of a server, e.g. http://127.0.0.1:8000 (repeat for several; "
+                       "not with --workers or --device)")
+    group.add_argument("--concurrency", type=int, default=serving.DEFAULT_CONCURRENCY, metavar="N",
+                       help="requests in flight over all servers (default %(default)s)")
+    group.add_argument("--server-model", metavar="NAME",
+                       help="the model name to request (default: the one model each server's /v1/models lists)")
+    group.add_argument("--timeout", type=float, default=serving.DEFAULT_TIMEOUT_S, metavar="S",
+                       help="seconds per request attempt (default %(default)s)")
+    group.add_argument("--retries", type=int, default=serving.DEFAULT_RETRIES, metavar="N",
+                       help="retries of a refused, failed (5xx) or timed-out request, with exponential "
+                       "backoff (default %(default)s)")
 
 
 def add_workers_argument(parser, what: str, copy: str, same: str) -> None:

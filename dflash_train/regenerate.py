@@ -11,11 +11,13 @@ conversations are in flight, each with at most one turn being answered; when a t
 comes back, that conversation's next turn is submitted at once, and a finished conversation
 makes room for the next one, so the responder always has work. Answers come from a
 `Responder`: the target on decode.py's engine (`LocalResponder`: rows refilled as they finish,
-CUDA graphs on a GPU). Lines are written in input order, so an output is always a prefix of the
-full one and a rerun resumes after its last whole line. A turn's sampling seed depends only on
-(seed, record position, turn), and at T = 0 in float32 a turn's tokens depend only on its
-prompt, so the output does not depend on the batch size, the refill order or `--workers`
-(processes that each regenerate fixed chunks of records with their own engine).
+CUDA graphs on a GPU), or serving engines (`ServerResponder` over serving.ServerPool,
+`--server`: vLLM, SGLang, `transformers serve`). Lines are written in input order, so an output
+is always a prefix of the full one and a rerun resumes after its last whole line. A turn's
+sampling seed depends only on (seed, record position, turn) (serving.turn_seed), and at T = 0
+in float32 a turn's tokens depend only on its prompt, so the output does not depend on the
+batch size, the refill order or `--workers` (processes that each regenerate fixed chunks of
+records with their own engine).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, render
+from dflash_train.serving import ServerError, turn_seed
 from dflash_train.workers import WorkerError
 
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -85,12 +88,6 @@ def resume_point(out: Path, records: list[Record]) -> int:
     return len(lines)
 
 
-def turn_seed(seed: int, position: int, turn: int) -> int:
-    """The sampling seed of a turn: from the record's place in the input and the turn's index
-    alone, not from where, when or beside what it is generated."""
-    return seed * 1_000_003 + position * 101 + turn
-
-
 class Responder(Protocol):
     """What regeneration asks for answers. `submit` hands over one turn's prompt (rendered text
     and its token ids) under a key; `poll` waits until at least one submitted turn is answered
@@ -137,6 +134,42 @@ class LocalResponder:
                                                     skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 return [(f.key, text, f.stopped) for f, text in zip(done, texts)]
         return []
+
+
+class ServerResponder:
+    """Turns answered by serving engines (serving.ServerPool): each submitted turn is one
+    completion request of its rendered prompt (serving.prompt_text: the server's token ids are
+    ours), with its turn seed; at most the pool's concurrency are in flight."""
+
+    def __init__(self, pool, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        self.pool, self.tokenizer = pool, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = int(max_new_tokens), float(temperature), float(top_p)
+        self.capacity = int(pool.concurrency)
+        self.futures: dict = {}
+        self.generated_tokens = 0
+        self.capture_seconds = 0.0
+
+    def submit(self, key, text: str, ids: list[int], seed: int) -> None:
+        from dflash_train.serving import prompt_text
+
+        future = self.pool.submit(prompt_text(self.tokenizer, text), self.max_new_tokens, self.temperature,
+                                  self.top_p, seed)
+        self.futures[future] = key
+
+    def poll(self) -> list[tuple[Any, str, bool]]:
+        """The requests that completed; a ServerError (the server named) once one failed."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self.futures:
+            return []
+        done, _ = wait(self.futures, return_when=FIRST_COMPLETED)
+        out = []
+        for future in done:
+            key = self.futures.pop(future)
+            text, finished = future.result()
+            self.generated_tokens += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            out.append((key, text, finished))
+        return out
 
 
 class Conversation:
@@ -295,14 +328,18 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                top_p: float = 1.0, batch_size: int = 64, max_prompt_length: int = 3072,
                device: str = "auto", seed: int = 0, limit: int | None = None, log=print,
                model=None, tokenizer=None, workers: int = 1, graphs: bool = True,
+               servers: list[str] | None = None, server_options: dict[str, Any] | None = None,
                progress_every_s: float = 10.0) -> dict[str, Any]:
     """Write `out` (JSONL, one line per valid input record, in the record's own format) with
     every assistant turn replaced by the target's response. Resumes an existing `out`; with
     `limit`, stops after that many more records. `batch_size` is the number of turns decoded
     at once (engine rows). With `workers` > 1, chunks of records are regenerated by that many
     processes (workers.parallel_map) and appended in order, so the output is the same.
-    Returns a summary with the skipped records and the measured rate."""
-    from dflash_train.target import resolve_device
+    With `servers` (base URLs), the turns are sent to those serving engines instead
+    (serving.ServerPool, which takes `server_options`: concurrency, model, timeout, retries),
+    scheduled the same way, and only the target's tokenizer is loaded. Returns a summary with
+    the skipped records and the measured rate."""
+    from dflash_train.target import resolve_device, resolve_target_path
     from dflash_train.workers import parallel_map
 
     problems = [f"{name}={value}" for name, value in
@@ -312,6 +349,9 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         problems.append(f"temperature={temperature}, top_p={top_p} (need temperature >= 0, 0 < top_p <= 1)")
     if workers > 1 and model is not None:
         problems.append("workers > 1 loads the target in each worker: pass a target path, not a model object")
+    if servers and (workers != 1 or device != "auto" or model is not None):
+        problems.append("--server sends every turn to the servers: --workers and --device (and a model "
+                        "object) are for local generation only; leave them out")
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
     out = Path(out)
@@ -331,10 +371,27 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                 "batch_size": batch_size, "max_prompt_length": max_prompt_length, "seed": seed, "graphs": graphs}
     started = last_log = time.perf_counter()
-    writer = _Writer(out)
+    pool = None
+    if servers:
+        from dflash_train.serving import ServerPool
+
+        pool = ServerPool(servers, **(server_options or {}))
+    writer = None
     try:
         if workers == 1:
-            responder, tokenizer = load_responder(target, device, settings, model=model, tokenizer=tokenizer)
+            if pool is not None:
+                models = pool.check()  # before anything is written: a wrong URL fails in seconds
+                log("data regenerate: " + ", ".join(f"{url} ({name})" for url, name in models.items())
+                    + f", concurrency {pool.concurrency}")
+                if tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(str(target)))
+                responder = ServerResponder(pool, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p)
+            else:
+                responder, tokenizer = load_responder(target, device, settings, model=model, tokenizer=tokenizer)
+            writer = _Writer(out)
             started = last_log = time.perf_counter()
             for line in regenerate_stream(responder, tokenizer, records[done:stop], done, settings, summary):
                 writer.write(line)
@@ -346,6 +403,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     last_log = time.perf_counter()
             summary["capture_s"] = responder.capture_seconds
         else:
+            writer = _Writer(out)
             chunk = CHUNK_BATCHES * batch_size
             spans, position = [], done
             while position < stop:  # fixed boundaries: a resumed run makes the same chunks
@@ -362,7 +420,10 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 summary["num_written"] += b - a
                 _progress(log, b, stop, done, summary, summary["num_new_tokens"], started)
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
+        if pool is not None:
+            pool.close()
     seconds = time.perf_counter() - started
     summary["seconds"] = seconds
     summary["tokens_per_s"] = summary["num_new_tokens"] / seconds if seconds > 0 else None
@@ -376,9 +437,17 @@ def run_regenerate(args) -> int:
         summary = regenerate(args.data, args.target, args.out, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
                              max_prompt_length=args.max_prompt_length, device=args.device,
-                             seed=args.seed, limit=args.limit, workers=args.workers, graphs=not args.no_graphs)
+                             seed=args.seed, limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
+                             servers=args.server,
+                             server_options={"concurrency": args.concurrency, "model": args.server_model,
+                                             "timeout": args.timeout, "retries": args.retries})
     except (DataError, WorkerError) as err:
         print(f"error: {err}")
+        return 1
+    except ServerError as err:
+        print(f"error: {err}")
+        if Path(args.out).exists():
+            print(f"the records already written to {args.out} stay; the same command resumes after them")
         return 1
     for skip in summary["skipped"][:SHOWN_SKIPS]:
         print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")
