@@ -176,6 +176,57 @@ def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
     return causal_position_mask(query_pos_RQ, width, window)
 
 
+# --------------------------------------------------------------------------- attention
+
+GROUPED_ATTENTION = "dflash_grouped_sdpa"
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The target's attention on the engine's steps, registered with transformers as
+    GROUPED_ATTENTION: one SDPA call per layer with the boolean position mask, the G query heads
+    that share a key/value head laid along the query axis, so every cached key and value is read
+    once. (transformers' own sdpa path copies K and V G times whenever a mask is given; on a
+    batched decode step that copy is most of the step's memory traffic.) Query head h uses
+    key/value head h // G, as transformers' `repeat_kv` pairs them. Softcapped or sink-biased
+    attention is left to transformers' sdpa function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    R, Hq, Q, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    q = query.reshape(R, Hkv, G * Q, D)
+    mask = attention_mask
+    if mask is not None and G > 1:
+        M, W = mask.shape[1], mask.shape[-1]
+        mask = mask[:, :, None].expand(R, M, G, Q, W).reshape(R, M, G * Q, W)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(R, Hq, Q, D).transpose(1, 2), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, sdpa_mask)  # never used: masks come prepared
+
+
+class _Attention:
+    """Within the block, the model's layers use grouped_attention (restored after)."""
+
+    def __init__(self, model) -> None:
+        self.config = model.config
+
+    def __enter__(self) -> None:
+        self.previous = self.config._attn_implementation
+        self.config._attn_implementation = GROUPED_ATTENTION
+
+    def __exit__(self, *exc) -> None:
+        self.config._attn_implementation = self.previous
+
+
 # --------------------------------------------------------------------------- the cache
 
 
@@ -252,6 +303,7 @@ class _Captured:
     graph: "torch.cuda.CUDAGraph"
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
+    fn: Callable  # kept: a tensor its closure holds is read by the graph at its address
 
 
 @dataclass
@@ -259,7 +311,8 @@ class Graphs:
     """Step functions by shape key: `run(key, fn, *inputs)` calls fn(*inputs) eagerly, or (CUDA,
     enabled) replays the graph captured for `key` after copying `inputs` into its static inputs.
     fn must be a function of its tensor inputs (and of state it only writes idempotently, as the
-    caches), returning a tuple of tensors; the returned tensors are the graph's static outputs,
+    caches), returning a tuple of tensors; tensors it reads from elsewhere must outlive the graph
+    (fn itself is kept with it, so its closure's are); the returned tensors are the graph's static outputs,
     valid until the next run of the same key. One memory pool is shared by every graph (they
     never run at the same time)."""
 
@@ -299,7 +352,7 @@ class Graphs:
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - started
         self.num_captured += 1
-        return _Captured(graph, static, outputs)
+        return _Captured(graph, static, outputs, fn)
 
     def clear(self) -> None:
         self.entries.clear()
@@ -315,6 +368,7 @@ class TargetSteps:
 
     def __init__(self, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  taps=None, graphs: bool = True) -> None:
+        _register_attention()
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.cache = StaticCache(rows, capacity)
@@ -334,8 +388,9 @@ class TargetSteps:
         self.cache.bind(torch.where(pos_RQ < 0, self.cache.trash, pos_RQ), width, row_index)
         pos_RQ = pos_RQ.clamp(min=0)
         mask = target_masks(self.model.config, pos_RQ, width)
-        return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask, past_key_values=self.cache,
-                          use_cache=True, logits_to_keep=logits_to_keep).logits
+        with _Attention(self.model):
+            return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask,
+                              past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
 
     def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds_R: torch.Tensor, features: bool = True):
         """Prompts (1-D id tensors) into slots `slots`, in one eager forward (right-padded; a
@@ -378,12 +433,18 @@ class TargetSteps:
         (out,) = self.graphs.run(("decode", Rb, W), self._decode_fn(W), token_R, pos_R, seeds_R)
         return out[:R]
 
+    def verify_body(self, block_RB, pos_RB, seeds_R, width: int):
+        """The verify step itself (no buckets, no graph): (chosen [R, B], acc [R], features
+        [R, B, F] or None)."""
+        logits = self._forward(block_RB, pos_RB, width)
+        chosen_RB = choose(logits, pos_RB + 1, seeds_R, self.temperature, self.top_p)
+        acc_R = accepted_run_length(block_RB[:, 1:] == chosen_RB[:, :-1])
+        feats = self.taps.features() if self.taps is not None else None
+        return chosen_RB, acc_R, feats
+
     def _verify_fn(self, width: int):
         def fn(block_RB, pos_RB, seeds_R):
-            logits = self._forward(block_RB, pos_RB, width)
-            chosen_RB = choose(logits, pos_RB + 1, seeds_R, self.temperature, self.top_p)
-            acc_R = accepted_run_length(block_RB[:, 1:] == chosen_RB[:, :-1])
-            feats = self.taps.features() if self.taps is not None else None
+            chosen_RB, acc_R, feats = self.verify_body(block_RB, pos_RB, seeds_R, width)
             return (chosen_RB, acc_R) + (() if feats is None else (feats,))
         return fn
 

@@ -156,6 +156,18 @@ class DFlashProposer:
         logits = hidden_1BH[0, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
         return logits.argmax(dim=-1)
 
+    def block_body(self, anchor_token_R, anchor_R, context_RTF, context_len_R, width: int) -> torch.Tensor:
+        """The drafter's block step itself (no buckets, no graph): the proposals [R, B-1] of
+        rows anchored at anchor_R (token anchor_token_R there), whose new context is the first
+        context_len_R[i] of context_RTF[i] (positions anchor - context_len .. anchor - 1)."""
+        return self._block_fn(width)(anchor_token_R, anchor_R, context_RTF, context_len_R)[0]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the block step may be captured: its cache buffers exist (the first, eager,
+        call allocates them on the current stream)."""
+        return self.row_cache is not None and bool(self.row_cache.keys)
+
     def _block_fn(self, width: int):
         B, cache = self.block_size, self.row_cache
         window = getattr(self.drafter.config, "sliding_window", None)
@@ -192,8 +204,8 @@ class DFlashProposer:
         R, T = context_RTF.shape[:2]
         B = self.block_size
         anchor_token_R = sequence_ids_RS.gather(1, anchor_R[:, None])[:, 0]
-        if T > B:  # a sequence's first cycle: the whole prompt is new context (eager, any shape)
-            return self._block_fn(int(max_anchor) + B)(anchor_token_R, anchor_R, context_RTF, context_len_R)[0]
+        if T > B or not self.ready:  # a first cycle (the whole prompt is new context): eager
+            return self.block_body(anchor_token_R, anchor_R, context_RTF, context_len_R, int(max_anchor) + B)
         if T < B:
             context_RTF = torch.cat([context_RTF, context_RTF.new_zeros(R, B - T, context_RTF.shape[2])], dim=1)
         Rb, W = pick(R, self.rows), pick(int(max_anchor) + B, self.widths)
@@ -298,7 +310,8 @@ class Decoder:
         """Capture, ahead of time, every graph a call of up to `rows` rows within `capacity`
         positions can replay (on CUDA with graphs on; nothing otherwise). The inputs are dummies
         that write only where nothing reads before it is written again (the trash column; the
-        drafter's first block columns, which every sequence's first cycle rewrites)."""
+        first block columns of both caches, which every sequence's prefill and first cycle
+        rewrite)."""
         self._fit(rows, capacity)
         if not self.target.graphs.enabled:
             return
@@ -308,6 +321,10 @@ class Decoder:
         B = int(proposer.block_size) if proposer is not None else 1
         if proposer is not None:
             proposer.reset(steps.cache.rows, steps.capacity)
+        fused = isinstance(proposer, DFlashProposer) and features is not None
+        if fused:  # the drafter's buffers, allocated by an eager block step on this stream
+            zero = torch.zeros(1, dtype=torch.long, device=device)
+            proposer.block_body(zero, zero, features.new_zeros(1, B + 1, features.shape[-1]), zero, B)
         for R in [r for r in steps.rows if r <= rows]:
             zeros = torch.zeros(R, dtype=torch.long, device=device)
             pos = torch.full((R,), -1, dtype=torch.long, device=device)
@@ -315,12 +332,12 @@ class Decoder:
                 steps.decode(zeros, pos, zeros, W - 1)
                 if proposer is None:
                     continue
-                steps.verify(torch.zeros(R, B, dtype=torch.long, device=device), pos[:, None].expand(R, B),
-                             zeros, W - 1)
-                if isinstance(proposer, DFlashProposer) and features is not None and W >= B:
+                if fused and W >= B:  # dummies: anchored at 0 with no context (columns 0..B-1)
                     context = features.new_zeros(R, B, features.shape[-1])
-                    proposer.propose_batch(torch.zeros(R, 1, dtype=torch.long, device=device), zeros, context, zeros,
-                                           W - B)
+                    steps.graphs.run(("cycle", R, W), self._cycle_fn(W), zeros, zeros, context, zeros, zeros)
+                elif not fused:
+                    steps.verify(torch.zeros(R, B, dtype=torch.long, device=device), pos[:, None].expand(R, B),
+                                 zeros, W - 1)
 
     def close(self) -> None:
         if self.taps is not None:
@@ -351,6 +368,65 @@ class Decoder:
         return [Generation(done[i].output_ids, [], done[i].stopped, seconds) for i in range(len(rows))]
 
     # ----------------------------------------------------------------------- speculative
+
+    def _cycle_fn(self, width: int):
+        """One speculative cycle of the DFlash proposer as one step function (one graph per row
+        and width bucket): the drafter's block step, the verify step, and what the next cycle
+        starts from (its anchor token, anchor, context length), so the host only reads the
+        packet [acc, chosen...] of each row."""
+        proposer, target, B = self.proposer, self.target, int(self.proposer.block_size)
+
+        def fn(anchor_token_R, anchor_R, context_RTF, context_len_R, seeds_R):
+            k_B = torch.arange(B, device=anchor_R.device)
+            proposals_RK = proposer.block_body(anchor_token_R, anchor_R, context_RTF, context_len_R, width)
+            block_RB = torch.cat([anchor_token_R[:, None], proposals_RK], dim=1)
+            chosen_RB, acc_R, feats = target.verify_body(block_RB, anchor_R[:, None] + k_B, seeds_R, width)
+            packet = torch.cat([acc_R[:, None], chosen_RB], dim=1)
+            return (packet, feats, chosen_RB.gather(1, acc_R[:, None])[:, 0], anchor_R + acc_R + 1, acc_R + 1)
+        return fn
+
+    def _speculate_fused(self, outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
+                         max_new_tokens, started, captured) -> list[Generation]:
+        """Decoder.speculate's cycles for the DFlash proposer: each cycle one `_cycle_fn` run
+        (captured per bucket; the first cycle, whose context is the whole prompt, eager)."""
+        proposer, target, device = self.proposer, self.target, self.device
+        B = int(proposer.block_size)
+        context_len_R = anchor_R.clone()
+        rows = list(range(len(outs)))
+        while True:
+            live = [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+            if not live:
+                break
+            if len(live) < len(rows):
+                index = torch.tensor(live, device=device)
+                _keep_slots(target.cache, index)
+                proposer.keep_rows(index)
+                rows = [rows[i] for i in live]
+                token_R, anchor_R, context_len_R, seeds_R, context_RTF = (
+                    t.index_select(0, index) for t in (token_R, anchor_R, context_len_R, seeds_R, context_RTF))
+            R = len(rows)
+            max_anchor = max(lengths[r] + len(outs[r]) - 1 for r in rows)
+            W = pick(max_anchor + B, target.widths)
+            inputs = (token_R, anchor_R, context_RTF, context_len_R, seeds_R)
+            if context_RTF.shape[1] != B or not proposer.ready:  # the first cycle: eager, any shape
+                packet, feats, token_R, anchor_R, context_len_R = self._cycle_fn(max_anchor + B)(*inputs)
+            else:
+                Rb = pick(R, target.rows)
+                if Rb > R:  # padding rows: anchored at 0 in free slots, no context
+                    inputs = tuple(torch.cat([t, t.new_zeros(Rb - R, *t.shape[1:])]) for t in inputs)
+                packet, feats, token_R, anchor_R, context_len_R = (
+                    t[:R] for t in target.graphs.run(("cycle", Rb, W), self._cycle_fn(W), *inputs))
+            context_RTF = feats
+            # The cycle's one host sync: every row's acceptance count and the target's tokens.
+            for r, (acc, *chosen) in zip(rows, packet.tolist()):
+                committed = chosen[: acc + 1]  # accepted proposals == target tokens, + bonus
+                keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
+                keep = min(keep, max_new_tokens - len(outs[r]))
+                outs[r].extend(committed[:keep])
+                accepted[r].append(keep)
+        _sync(device)
+        seconds = time.perf_counter() - started - (self.capture_seconds - captured)
+        return [Generation(o, a, o[-1] in stop, seconds) for o, a in zip(outs, accepted)]
 
     @torch.inference_mode()
     def speculate(self, prompts, max_new_tokens: int, *, stop_ids: Iterable[int] = (),
@@ -386,6 +462,9 @@ class Decoder:
         for r, t in enumerate(token_R.tolist()):  # host sync: the first tokens' stop checks
             outs[r].append(t)
         proposer.reset(R, self.target.capacity)
+        if isinstance(proposer, DFlashProposer) and context_RTF is not None:
+            return self._speculate_fused(outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
+                                         max_new_tokens, started, captured)
         k_B = torch.arange(B, device=device)
         rows = list(range(R))  # the prompt of each live row (live rows sit in slots 0..n-1)
         while True:

@@ -31,9 +31,9 @@ class RecordingProposer(DFlashProposer):
         self.anchors: list[int] = []
         self.proposals: list[torch.Tensor] = []
 
-    def propose_batch(self, sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor):
-        proposals = super().propose_batch(sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor)
-        assert anchor_R.numel() == 1, "one sequence"
+    def block_body(self, anchor_token_R, anchor_R, context_RTF, context_len_R, width):
+        proposals = super().block_body(anchor_token_R, anchor_R, context_RTF, context_len_R, width)
+        assert anchor_R.numel() == 1, "one sequence"  # on CPU every cycle's block step runs eagerly
         self.anchors.append(int(anchor_R[0]))
         self.proposals.append(proposals[0].clone())
         return proposals
