@@ -20,14 +20,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-DEFAULT_TOKEN_BUDGET = 16384  # padded tokens per batch
-DEFAULT_MAX_BATCH_SIZE = 64
-DEFAULT_NUM_BUCKETS = 8
-DEFAULT_PAD_MULTIPLE = 64  # derived boundaries are rounded up to this (kernel-friendly shapes)
+from dflash_train.config import DataSection
+
+PAD_MULTIPLE = 64  # derived boundaries are rounded up to this (kernel-friendly shapes)
 
 
-def quantile_boundaries(lengths: Sequence[int], num_buckets: int = DEFAULT_NUM_BUCKETS,
-                        multiple: int = DEFAULT_PAD_MULTIPLE) -> list[int]:
+def quantile_boundaries(lengths: Sequence[int], num_buckets: int = DataSection.num_buckets,
+                        multiple: int = PAD_MULTIPLE) -> list[int]:
     """Bucket upper bounds at the length quantiles 1/n .. n/n, rounded up to `multiple` and
     deduplicated; the last one covers the longest sample."""
     if len(lengths) == 0:
@@ -78,9 +77,9 @@ class BatchPlan:
     min(max_batch_size, token_budget // L) rows, so rows * L <= token_budget. The last batch of
     a bucket may have fewer rows. Batch order is a pure function of (seed, epoch)."""
 
-    def __init__(self, lengths: Sequence[int], token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, boundaries: Sequence[int] | None = None,
-                 num_buckets: int = DEFAULT_NUM_BUCKETS, pad_multiple: int = DEFAULT_PAD_MULTIPLE,
+    def __init__(self, lengths: Sequence[int], token_budget: int = DataSection.token_budget,
+                 max_batch_size: int = DataSection.max_batch_size, boundaries: Sequence[int] | None = None,
+                 num_buckets: int = DataSection.num_buckets, pad_multiple: int = PAD_MULTIPLE,
                  seed: int = 0):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.size == 0:

@@ -21,6 +21,7 @@ BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
 TINY_TARGET = "bundled:tiny-random-llama"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
 
 
 @dataclass
@@ -42,7 +43,8 @@ class DrafterSection:
     block_size: int = 16
     """Tokens per block: the anchor plus block_size - 1 proposals."""
     target_layer_ids: list[int] | None = None
-    """0-based target layers to tap; default: spread rule of REFERENCE.md over num_taps."""
+    """0-based target layers to tap; default: the published rule spreading num_taps over the
+    target's layers (drafter.default_target_layer_ids)."""
     num_taps: int | None = None
     """Number of tapped target layers when target_layer_ids is unset (default: num_layers)."""
     mask_token_id: int | None = None
@@ -518,10 +520,10 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"faults.{name} must hold optimizer steps >= 1, got {value}")
     if cfg.faults.delay_seconds < 0:
         p.append(f"faults.delay_seconds must be >= 0, got {cfg.faults.delay_seconds}")
-    if cfg.objective.gamma is None and cfg.drafter.block_size not in (8, 10, 16):
+    if cfg.objective.gamma is None and cfg.drafter.block_size not in DEFAULT_GAMMA:
         p.append(
             f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "
-            f"(defaults exist for 8, 10, 16): set objective.gamma"
+            f"(defaults exist for {', '.join(map(str, sorted(DEFAULT_GAMMA)))}): set objective.gamma"
         )
     return p
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-DEFAULT_CHUNK_ROWS = 4096
+from dflash_train.config import DEFAULT_GAMMA, ObjectiveSection
 
 
 def default_gamma(block_size: int) -> float:
@@ -28,7 +27,7 @@ def default_gamma(block_size: int) -> float:
     if block_size not in DEFAULT_GAMMA:
         raise ValueError(
             f"no published loss decay gamma for block_size={block_size} "
-            f"(known: {sorted(DEFAULT_GAMMA)}); set loss.gamma explicitly"
+            f"(known: {sorted(DEFAULT_GAMMA)}); set objective.gamma explicitly"
         )
     return DEFAULT_GAMMA[block_size]
 
@@ -37,7 +36,7 @@ def position_weights(block_size: int, gamma: float | None = None, device=None) -
     """w[k] = exp(-(k - 1) / gamma) for block index k >= 1; w[0] = 0 (the anchor is given)."""
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     if gamma <= 0 or not math.isfinite(gamma):
-        raise ValueError(f"loss.gamma must be a positive number, got {gamma}")
+        raise ValueError(f"objective.gamma must be a positive number, got {gamma}")
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
@@ -154,7 +153,7 @@ def block_loss(
     valid_M: torch.Tensor,
     block_size: int,
     gamma: float | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int = ObjectiveSection.lm_head_chunk_rows,
     compile: bool = False,
 ) -> BlockLossOutput:
     """Decayed cross-entropy of draft blocks plus the statistics of what would be accepted.
