@@ -20,14 +20,9 @@ from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
 from dflash_train.dist import Assignment, Dist
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, TINY, losses, subprocess_env
 
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 20
-
-
-def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def torchrun(out: Path, nproc: int, *overrides: str) -> list[str]:

@@ -25,14 +25,9 @@ from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
 from dflash_train.train import Trainer
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
+from conftest import ROOT, TINY, losses
+
 STEPS = 20
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
 
 
 def records(out: Path) -> list[dict]:

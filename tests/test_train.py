@@ -18,13 +18,7 @@ from dflash_train import cli
 from dflash_train.config import load_config
 from dflash_train.train import Trainer, TrainingStopped
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+from conftest import ROOT, TINY, losses
 
 
 def train_cmd(out: Path, *overrides: str) -> list[str]:
