@@ -142,7 +142,7 @@ def target_config(workload: Workload):
     return AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
 
 
-def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int, compile: bool = False):
+def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int):
     """`build_target` for the Trainer: a randomly initialised causal LM of `config`'s shape,
     built directly on `device` in `dtype` (an 8B model in seconds; no weights on disk)."""
     from transformers import AutoModelForCausalLM
@@ -153,7 +153,7 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: 
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return Target(model, layer_ids, need_logits, compile)
+        return Target(model, layer_ids, need_logits)
 
     return build
 
@@ -296,7 +296,7 @@ def build_trainer(workload: str, overrides: list[str], drafter_only: bool = Fals
     if drafter_only:
         build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
-        build = build_random_target(config, device, dtype, seed, cfg.target.compile)
+        build = build_random_target(config, device, dtype, seed)
     # Built inside Trainer, after the rank's device is current: a bare "cuda" means that device.
     heads = lambda: RandomFeatureTarget(config, [], device, dtype, seed)  # noqa: E731 (disaggregated drafter ranks)
     trainer = Trainer(cfg, log=log, target_config=config, build_target=build, build_heads=heads,

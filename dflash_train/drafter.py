@@ -279,24 +279,18 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-_compiled_flex = None
+# The flex-attention function that layers call under a BlockMask (training). On CUDA the run
+# hands in a compiled one (dflash_train/compilation.py): this file imports nothing from its
+# package, since every export carries a copy of it. Eager flex materialises the score matrix.
+flex_kernel = None
 
 
 def _flex_attention(q, k, v, block_mask, scale):
+    if flex_kernel is not None and q.device.type == "cuda":
+        return flex_kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _compiled_flex
-    if q.device.type == "cuda":
-        if _compiled_flex is None:
-            # One compiled kernel per (queries, keys) shape; callers keep shapes to a handful
-            # (see masks.sample_anchors), and a raised limit keeps a long run from ever falling
-            # back to the eager path, which materialises the whole score matrix.
-            import torch._dynamo
-
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    # CPU: the eager flex forward (no backward exists there); used by tests to compare paths.
+    # Eager flex (on CPU the forward alone exists; tests compare the paths with it).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)

@@ -77,18 +77,6 @@ def _chunk_loss(h_CH, weight_VH, labels_C, w_C, need_grad: bool):
     return loss, preds_C, grad_CH
 
 
-_compiled_chunk_loss = None
-
-
-def _compiled_chunk():
-    global _compiled_chunk_loss
-    if _compiled_chunk_loss is None:
-        # Static shapes: block_loss pads the last chunk, so a run compiles one graph per
-        # (chunk rows, need_grad) and never one per batch.
-        _compiled_chunk_loss = torch.compile(_chunk_loss, dynamic=False, fullgraph=True)
-    return _compiled_chunk_loss
-
-
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_m w_m * CE(hidden_m @ W^T, label_m), computed chunk by chunk.
 
@@ -106,7 +94,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         preds_M = torch.empty(M, dtype=torch.long, device=hidden_MH.device)
         grad_MH = torch.empty_like(hidden_MH) if need_grad else None
         w_M = row_w_M.to(torch.float32)
-        chunk = _compiled_chunk() if compiled else _chunk_loss
+        if compiled:
+            from dflash_train.compilation import loss_chunk
+
+            chunk = loss_chunk()
+        else:
+            chunk = _chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
             h, lab, w = hidden_MH[s:e], labels_M[s:e], w_M[s:e]

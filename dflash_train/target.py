@@ -135,7 +135,7 @@ class Packed:
 class Target:
     """A frozen causal LM that returns the outputs of its tapped layers."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool) -> None:
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = [int(i) for i in layer_ids]
         self.need_logits = need_logits
@@ -147,10 +147,6 @@ class Target:
         if not need_logits:
             # Nothing after the last tapped layer is ever needed: drop it (time and memory).
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
-        if compile:
-            # The layers' forward only: the taps' hooks run around it, eagerly.
-            for layer in self.decoder.layers:
-                layer.forward = torch.compile(layer.forward)
         self.taps = LayerTaps(model, self.layer_ids)
         self.embed_weight = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
@@ -177,11 +173,11 @@ class Target:
         return nn.functional.embedding(ids, self.embed_weight)
 
 
-def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int], need_logits: bool,
-                compile: bool = False) -> tuple[Target, object]:
+def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
+                need_logits: bool) -> tuple[Target, object]:
     """Load, freeze and wrap the target; returns (Target, tokenizer)."""
     model, tokenizer = load_target_model(path, device, dtype)
-    return Target(model, layer_ids, need_logits, compile), tokenizer
+    return Target(model, layer_ids, need_logits), tokenizer
 
 
 def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dflash_train import checkpoint as ckpt
+from dflash_train.compilation import Compilation
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.dist import Dist
 from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
@@ -172,7 +173,7 @@ class Trainer:
             self.target = build_heads()
         elif self.dist.is_target:
             self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
-                                         need_logits=cfg.objective.labels == "target", compile=cfg.target.compile)
+                                         need_logits=cfg.objective.labels == "target")
         else:  # a drafter rank needs the target's embedding and lm_head only
             self.target = TargetHeads(cfg.target.path, self.device, cfg.target.dtype)
         steps_per_epoch = max(1, plan.num_batches // self.assign.micro_per_step)
@@ -182,13 +183,10 @@ class Trainer:
         self.attention = cfg.train.attention
         if self.attention == "auto":
             self.attention = "flex" if self.device.type == "cuda" else "sdpa"
-        # The loss's per-chunk math is compiled on CUDA only: there it is memory-bound passes
-        # over [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches.
-        self.compile_loss = cfg.train.compile and self.device.type == "cuda"
+        compilation = Compilation.decide(cfg, self.device, self.attention)
+        self.compile_loss = compilation.loss_chunks
+        compilation.apply(drafter=self.drafter, target=self.target if self.dist.is_target else None)
         if self.dist.is_drafter:
-            if cfg.train.compile:
-                for layer in self.drafter.layers:
-                    layer.compile()
             o = cfg.optim
             self.optimizer = torch.optim.AdamW(
                 self.drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,

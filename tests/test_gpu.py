@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.compilation import compile_flex_attention
 from dflash_train.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.loss import block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
@@ -37,6 +38,7 @@ def _setup(seed=0, window=None, dtype=torch.float32):
 
 
 def _run(drafter, layout, feats, embed, backend):
+    compile_flex_attention()  # as a training run on CUDA does
     drafter.zero_grad(set_to_none=True)
     masks = build_attention_masks(layout, drafter.layer_types, drafter.config.sliding_window, backend)
     out = drafter(feats, embed, layout.position_ids(), attention_mask=masks)
@@ -58,6 +60,7 @@ def test_compiled_flex_equals_dense_forward_and_backward(window):
 
 def test_bf16_train_serve_consistency_with_flex():
     drafter, layout, feats, embed, lengths = _setup(seed=1, dtype=torch.bfloat16)
+    compile_flex_attention()
     with torch.no_grad():
         masks = build_attention_masks(layout, drafter.layer_types, None, "flex")
         out = drafter(feats, embed, layout.position_ids(), attention_mask=masks)[0].view(-1, B, H)
@@ -150,11 +153,13 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
 
 def test_compiled_target_layers_give_the_eager_features():
     from dflash_train.bench import WORKLOADS, build_random_target, target_config
+    from dflash_train.compilation import compile_target_layers
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
-    eager = build_random_target(config, device, torch.bfloat16, 0, compile=False)([1, 3], False)
-    compiled = build_random_target(config, device, torch.bfloat16, 0, compile=True)([1, 3], False)
+    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    compile_target_layers(compiled)
     for shape in ((2, 40), (3, 64), (2, 40)):  # a second shape, then the first again
         ids = torch.randint(0, 500, shape, device=device)
         a, _ = eager.capture(ids)
