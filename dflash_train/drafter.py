@@ -1,4 +1,4 @@
-"""The DFlash drafter: model, configuration, layer taps, mask token, feature noise, HF format.
+"""The DFlash drafter: model, configuration, layer taps, mask token, HF format.
 
 Owns the drafter exactly as served (vLLM, SGLang, transformers with the published modeling
 code): a stack of Qwen3-style pre-norm layers whose keys/values are [context ; block], a fused
@@ -200,26 +200,6 @@ def _dflash_field(config, name: str, default: Any = None) -> Any:
         return extra[name]
     value = getattr(config, name, None)
     return default if value is None else value
-
-
-# --------------------------------------------------------------------------- feature noise
-
-
-def add_feature_noise(
-    features: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Training-only regulariser on captured target features: U[-std, std] ("uniform") or
-    N(0, std^2) ("gaussian"); "none" or std == 0 returns the input unchanged."""
-    if kind == "none" or std == 0:
-        return features
-    if kind == "uniform":
-        noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
-        noise = (noise * 2.0 - 1.0) * std
-    elif kind == "gaussian":
-        noise = torch.randn(features.shape, generator=generator, device=features.device, dtype=torch.float32) * std
-    else:
-        raise ValueError(f"noise kind must be 'uniform', 'gaussian' or 'none', got {kind!r}")
-    return features + noise.to(features.dtype)
 
 
 # --------------------------------------------------------------------------- KV cache

@@ -27,11 +27,11 @@ from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_ma
 from dflash_train.export import export_drafter
 from dflash_train.faults import Faults
 from dflash_train.loss import BlockLossOutput, block_loss
-from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
-                                step_generator)
+from dflash_train.masks import ANCHOR_STREAM, build_attention_masks, build_layout, sample_anchors, step_generator
 from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib
-from dflash_train.target import SidePacker, TargetHeads, finish_features, load_target, resolve_target_path
-from dflash_train.transport import Receiver, Sender, Shipment
+from dflash_train.produce import FeatureNoise, Producer, Shipment, context_features
+from dflash_train.target import TargetHeads, load_target, resolve_target_path
+from dflash_train.transport import Receiver, Sender
 
 
 class TrainingStopped(RuntimeError):
@@ -194,11 +194,14 @@ class Trainer:
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, cosine_with_warmup(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
-        self.packer = SidePacker(self.device)
+        self.noise = FeatureNoise(cfg.objective.noise, cfg.objective.noise_std, cfg.train.seed, self.device)
         self.timer = StageTimer(self.device)
         self.acc = Accumulator(self.block_size, self.device)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
         self.faults = Faults(cfg.faults, self.dist.rank)
+        self.producer = Producer(self.target, self.stream, device=self.device, noise=self.noise, split_fc=self.split,
+                                 pad_to=cfg.data.token_budget, micro_per_step=self.assign.micro_per_step,
+                                 faults=self.faults, timer=self.timer, log=self.log_any) if self.dist.is_target else None
         if self.dist.disaggregated:
             self.sender = Sender(self.dist, cfg.topology.queue_depth) if self.dist.is_target else None
             self.receiver = Receiver(self.dist) if self.dist.is_drafter else None
@@ -214,46 +217,6 @@ class Trainer:
 
     # ------------------------------------------------------------------- one step
 
-    def generator(self, index: int, stream: int) -> torch.Generator:
-        return step_generator(self.cfg.train.seed, index, stream, device=self.device)
-
-    def capture_target(self, batch):
-        """The target's features for one micro-batch, or None when the target forward raised
-        (out of memory on an unusual shape, ...): logged with the batch's shape; the consuming
-        drafter counts it. The data cursor is past the batch, so a resumed run skips it too."""
-        try:
-            self.faults.target_forward(self.step + 1)
-            ids = batch.input_ids.to(self.device, non_blocking=True)
-            captured = self.target.capture(ids, concat=False) if self.split else self.target.capture(ids)
-        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            failure = f"{type(err).__name__}: {err}"
-        else:
-            return captured
-        # Outside the except block: the traceback (and the tensors its frames hold) is gone.
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.log_any(f"step {self.step + 1}: target forward failed on batch of shape "
-                     f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
-        return None
-
-    def produce(self, index: int, batch) -> Shipment:
-        """Target side of global micro-batch `index`: capture, then pack (noise added here
-        unless the fc layers are split)."""
-        c = self.cfg
-        stats = dict(padded_tokens=batch.input_ids.numel(), rows=batch.batch_size, epoch=batch.epoch,
-                     sum_seq_len=int(batch.lengths.sum()), max_seq_len=batch.max_seq_len)
-        self.timer.mark("target")
-        captured = self.capture_target(batch)
-        if captured is None:
-            return Shipment(index, True, None, **stats)
-        feats, greedy = captured
-        self.timer.mark("pack")
-        packed = self.packer(batch.input_ids, batch.loss_mask, batch.lengths.tolist(), feats, greedy,
-                             pad_to=c.data.token_budget, noise=c.objective.noise, noise_std=c.objective.noise_std,
-                             generator=None if self.split else self.generator(index, NOISE_STREAM))
-        return Shipment(index, False, packed.features_TF, packed.input_ids_T, packed.loss_mask_T, packed.labels_T,
-                        packed.doc_lengths, num_tokens=packed.num_tokens, **stats)
-
     def forward_micro_batch(self, s: Shipment) -> BlockLossOutput | None:
         """Drafter side: (concat + noise with split fc layers) -> blocks -> drafter -> loss;
         None when the target failed on the micro-batch (it is skipped)."""
@@ -264,10 +227,9 @@ class Trainer:
             return None
         self.consecutive_failures = 0
         self.timer.mark("mask")
-        features_TF = finish_features(s.features, c.objective.noise, c.objective.noise_std,
-                                      self.generator(s.index, NOISE_STREAM))
+        features_TF = context_features(s, self.noise)
         anchors = sample_anchors(s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
-                                 self.generator(s.index, ANCHOR_STREAM),
+                                 step_generator(c.train.seed, s.index, ANCHOR_STREAM, device=self.device),
                                  pad_to_multiple=c.train.anchor_multiple, pow2_buckets=True)
         layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, self.block_size)
         masks = build_attention_masks(layout, self.drafter.layer_types, self.drafter.config.sliding_window, self.attention)
@@ -290,8 +252,7 @@ class Trainer:
         only after the previous one's backward."""
         for index in self.assign.consumed(self.step, self.dist.drafter_index):
             if not self.dist.disaggregated:
-                self.timer.mark("data")
-                yield self.produce(index, self.stream[index])
+                yield self.producer(index)
             else:
                 self.timer.mark("receive")
                 yield self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
@@ -453,10 +414,9 @@ class Trainer:
                 self.step = step - 1
                 for index in self.assign.produced(step - 1, me):
                     consumer = self.dist.drafter_ranks[self.assign.consumer(index)]
-                    self.timer.mark("data")
-                    shipment = self.produce(index, self.stream[index])
+                    shipment = self.producer(index)
                     self.timer.mark("send")
-                    self.sender.send(consumer, shipment, self.split)
+                    self.sender.send(consumer, shipment)
                 self.timer.mark(None)
                 if on_step is not None:
                     on_step(step)
@@ -572,8 +532,7 @@ class Trainer:
         if self.device.type != "cuda" or not self.dist.is_target:
             return
         started = time.perf_counter()
-        for rows, length in self.plan.shapes:
-            self.target.capture(torch.zeros(rows, length, dtype=torch.long, device=self.device))
+        self.producer.warm_up(self.plan.shapes)
         torch.cuda.synchronize(self.device)
         self.log(f"warmed up {len(self.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s")
 

@@ -2,8 +2,8 @@
 that speculative decoding produced with anchors at that run's cycle starts, computes for every
 block what the serving drafter computed in that cycle.
 
-This is the check for the bug class "high training accuracy, near-zero serving acceptance"
-(REFERENCE.md section 5): wrong rope positions, wrong layer taps, a wrong mask token, context
+This is the check for the bug class that users of other trainers report most, "high training
+accuracy, near-zero serving acceptance": wrong rope positions, wrong layer taps, a wrong mask token, context
 visible at the anchor itself, or context features that differ between the training forward (one
 clean forward of the whole sequence) and serving (prefill, then the verify passes' features of
 the committed positions) all make the two sides disagree here. Float32 on CPU: the two sides
@@ -107,7 +107,7 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     trained: list[torch.Tensor] = []
     handle = _capture(drafter.layers[-1], trained)
     with torch.no_grad():
-        out = trainer.forward_micro_batch(trainer.produce(0, batch))
+        out = trainer.forward_micro_batch(trainer.producer.produce(0, batch))
     handle.remove()
     assert out is not None and len(trained) == 1
 
@@ -122,8 +122,8 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
 
 def test_parity_check_catches_context_visible_at_the_anchor(tmp_path, monkeypatch):
     """The check above can fail: with the mask rule loosened to let a block see the target's
-    feature at its own anchor (the bug of REFERENCE.md section 5), the training forward no
-    longer computes what serving proposed."""
+    feature at its own anchor (a train/serve mismatch users of other trainers hit), the training
+    forward no longer computes what serving proposed."""
     from dflash_train import masks
 
     rule = masks.block_mask_mod
