@@ -133,8 +133,9 @@ class TrainSection:
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     max_consecutive_batch_failures: int = 5
-    """Stop the run after the target forward failed on this many micro-batches in a row (each
-    failure, e.g. out of memory on an unusual shape, is logged and its micro-batch skipped)."""
+    """Stop the run after the target forward failed on this many micro-batches in a row, in the
+    run's global micro-batch order whatever the topology (each failure, e.g. out of memory on an
+    unusual shape, is logged and its micro-batch skipped)."""
     num_threads: int | None = None
     """CPU intra-op threads (default: torch's choice)."""
 
