@@ -106,7 +106,8 @@ class GlobalSums:
         if len(self.dist.drafter_ranks) > 1:
             total = type(self.acc)(self.acc.block_size, self.acc.device)
             total.load_state_dict(state)
-            total.all_reduce(lambda t: self.dist.all_reduce_drafters([t], "waiting for the metric sums of a checkpoint"))
+            what = "waiting for the metric sums of a checkpoint"
+            total.all_reduce(lambda t: self.dist.all_reduce_drafters([t], what))
             state = total.state_dict()
         return state
 

@@ -247,7 +247,8 @@ def train_drafter(run: Run) -> Path | None:
                     sink.event(f"step {n}: non-finite loss or gradient; step skipped, weights untouched")
                 run.faults.after_step(n)
                 stop = control.agree(n, result)
-                if n % cfg.log.every == 0 or n == run.total_steps or stop in (Stop.NON_FINITE, Stop.FAILURES, Stop.TIME):
+                # Not on a signal: the interval's sums are saved and the resumed run logs them.
+                if n % cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
                     sink.log(log_record(run, evaluate=bool(cfg.eval.every) and n % cfg.eval.every == 0))
                 if stop is not None and stop.is_fault:
                     saved = checkpoints.save(n)

@@ -7,9 +7,9 @@ mostly idle; more processes fill it, where more threads would fight over the int
 process that builds its state once with `setup(device, *setup_args)` (typically: load its own
 copy of the target on its device), then takes items from one shared queue and sends back
 `work(state, item)`. The parent yields the results in item order whatever order the workers
-finish in, so what a job writes does not depend on the number of workers. An exception in a worker ends the job with that worker's
-traceback; a worker that dies without one (killed, out of memory, segfault) ends it too, naming
-its exit code. Nothing waits forever on a dead worker.
+finish in, so what a job writes does not depend on the number of workers. An exception in a
+worker ends the job with that worker's traceback; a worker that dies without one (killed, out
+of memory, segfault) ends it too, naming its exit code. Nothing waits forever on a dead worker.
 
 `setup` and `work` must be module-level functions (spawn pickles them by name).
 """

@@ -31,7 +31,8 @@ def random_batch(gen: torch.Generator, lengths: list[int], L: int, taps: int, H:
     for r, n in enumerate(lengths):
         ids[r, n:], mask[r, n:] = 0, False
     batch = Batch(ids, mask, torch.tensor(lengths), list(range(b)), 0, 0)
-    return batch, [torch.randn(b, L, H, generator=gen) for _ in range(taps)], torch.randint(1, 500, (b, L), generator=gen)
+    taps_bLH = [torch.randn(b, L, H, generator=gen) for _ in range(taps)]
+    return batch, taps_bLH, torch.randint(1, 500, (b, L), generator=gen)
 
 
 def test_pack_against_a_naive_loop_and_split_fc_features():
