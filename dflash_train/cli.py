@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(commands)
     add_eval_command(commands)
     add_bench_command(commands)
+    add_plot_command(commands)
     return parser
 
 
@@ -122,7 +123,11 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--temperature", type=float, default=0.0,
                        help="0 is greedy (default); above 0 samples")
     regen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling")
-    regen.add_argument("--batch-size", type=int, default=32, metavar="N", help="prompts per generate call")
+    regen.add_argument("--batch-size", type=int, default=64, metavar="N",
+                       help="turns decoded at once; a finished row is refilled with the next turn (default "
+                       "%(default)s; on a GPU try 256-512)")
+    regen.add_argument("--no-graphs", action="store_true",
+                       help="run every decoding step eagerly (no CUDA graphs; CPU always does)")
     regen.add_argument("--max-prompt-length", type=int, default=data.DEFAULT_MAX_LENGTH, metavar="N",
                        help="a conversation is cut before the first turn whose prompt is longer")
     regen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -130,8 +135,29 @@ def add_data_commands(commands) -> None:
     regen.add_argument("--limit", type=int, default=None, metavar="N",
                        help="stop after N more records (the output stays resumable)")
     add_workers_argument(regen, "regenerate chunks", "target copy", "the output equals --workers 1's")
+    add_server_arguments(regen)
     regen.set_defaults(func=regenerate.run_regenerate)
 
+
+def add_server_arguments(parser) -> None:
+    """`data regenerate --server`: the turns answered by OpenAI-compatible serving engines."""
+    from dflash_train import serving
+
+    group = parser.add_argument_group(
+        "serving engines", "send every turn, rendered with --target's chat template, to the /v1/completions "
+        "endpoint of vLLM, SGLang or `transformers serve` instead of generating here")
+    group.add_argument("--server", action="append", metavar="URL",
+                       help="base URL of a server, e.g. http://127.0.0.1:8000 (repeat for several; "
+                       "not with --workers or --device)")
+    group.add_argument("--concurrency", type=int, default=serving.DEFAULT_CONCURRENCY, metavar="N",
+                       help="requests in flight over all servers (default %(default)s)")
+    group.add_argument("--server-model", metavar="NAME",
+                       help="the model name to request (default: the one model each server's /v1/models lists)")
+    group.add_argument("--timeout", type=float, default=serving.DEFAULT_TIMEOUT_S, metavar="S",
+                       help="seconds per request attempt (default %(default)s)")
+    group.add_argument("--retries", type=int, default=serving.DEFAULT_RETRIES, metavar="N",
+                       help="retries of a refused, failed (5xx) or timed-out request, with exponential "
+                       "backoff (default %(default)s)")
 
 
 def add_workers_argument(parser, what: str, copy: str, same: str) -> None:
@@ -170,6 +196,11 @@ def add_eval_command(commands) -> None:
     ev.add_argument("--speedup-turns", type=int, default=evaluate.DEFAULT_SPEEDUP_TURNS, metavar="K",
                     help="the speedup times the first K turns of each set, both decoders in one process with "
                     "nothing else running (default %(default)s)")
+    ev.add_argument("--eager-turns", type=int, default=evaluate.DEFAULT_EAGER_TURNS, metavar="K",
+                    help="on a GPU, the first K timed turns of each set are timed again with every step run "
+                    "eagerly, without CUDA graphs: `speedup_eager` beside `speedup` (default %(default)s; 0: skip)")
+    ev.add_argument("--no-graphs", action="store_true",
+                    help="run every decoding step eagerly (no CUDA graphs; CPU always does)")
     add_workers_argument(ev, "decode the prompts", "target and drafter copy", "results equal --workers 1's")
     ev.add_argument("--batch-size", type=int, default=1, metavar="N",
                     help="decode N records of a set per batch, turn by turn (with --workers: in each worker); "
@@ -188,8 +219,10 @@ def add_bench_command(commands) -> None:
         "tokens/s, useful-FLOP MFU, GPU idle share and peak memory; the last line is one JSON object. "
         "See docs/PERFORMANCE.md.",
     )
-    b.add_argument("--workload", required=True, choices=sorted(bench.WORKLOADS),
-                   help="; ".join(f"{k}: {w.description}" for k, w in bench.WORKLOADS.items()))
+    b.add_argument("--workload", required=True, choices=sorted([*bench.WORKLOADS, "decode"]),
+                   help="; ".join(f"{k}: {w.description}" for k, w in bench.WORKLOADS.items())
+                   + "; decode: the decoding engine (regeneration tokens/s by rows, batch-1 ms per token of "
+                   "both decoders, graphs and eager; docs/PERFORMANCE.md)")
     b.add_argument("--steps", type=int, default=None, metavar="N", help="timed steps (default: the workload's)")
     b.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="untimed steps first (default: the workload's; paper: one whole epoch)")
@@ -202,8 +235,42 @@ def add_bench_command(commands) -> None:
                    help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output")
     b.add_argument("--peak-tflops", type=float, default=None, metavar="X",
                    help="the chip's dense bf16 peak for MFU when it is not known by name")
+    b.add_argument("--rows", default=None, metavar="N,N,...",
+                   help="decode: row counts of the regeneration rate (default 1,64,256,512)")
+    b.add_argument("--eager-rows", default=None, metavar="N,N,...",
+                   help="decode: the row counts also measured without graphs (default: all of --rows)")
+    b.add_argument("--new-tokens", type=int, default=None, metavar="N", help="decode: tokens per request (128)")
+    b.add_argument("--target", default=None, metavar="DIR",
+                   help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.compile=true")
-    b.set_defaults(func=bench.run_cli)
+    b.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args) -> int:
+    if args.workload == "decode":
+        from dflash_train import decode_bench
+
+        return decode_bench.run_cli(args)
+    from dflash_train import bench
+
+    return bench.run_cli(args)
+
+
+def add_plot_command(commands) -> None:
+    from dflash_train import plot
+
+    p = commands.add_parser(
+        "plot", help="draw a run's curves (PNG) and write its summary.json from metrics.jsonl",
+        description="Draw loss, learning rate, walked / served tau, tokens/s and the stage shares over "
+        "steps from RUN_DIR/metrics.jsonl (an overview and one PNG per panel beside it), write "
+        "RUN_DIR/summary.json and print the summary. `train` does the same when it ends.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (output_dir of `train`)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="the overview PNG; the panels go beside it as FILE's name + -loss.png, ... "
+                   "(default RUN_DIR/plots/run.png)")
+    p.set_defaults(func=plot.run_cli)
 
 
 def main(argv: list[str] | None = None) -> int:

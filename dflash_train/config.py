@@ -9,6 +9,7 @@ next to every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -152,13 +153,22 @@ class CheckpointSection:
 
 @dataclass
 class LogSection:
+    """Where log steps go: OUTPUT/metrics.jsonl and one console line each, always; the fields
+    below add the rest."""
+
     every: int = 10
     """Log (one host sync) every N optimizer steps."""
     tensorboard: bool = True
+    """The scalars also in OUTPUT/tensorboard/."""
     wandb: bool = False
+    """Also to Weights & Biases (the `wandb` extra; WANDB_MODE=offline writes OUTPUT/wandb/
+    only): every metrics.jsonl field, the resolved config, the evaluation tables. The W&B run
+    id is kept in OUTPUT/wandb_id: a resumed run continues the same W&B run."""
     wandb_project: str = "dflash-train"
+    """The W&B project of the run (the run is named after output_dir's last part)."""
     progress: bool = True
-    """A progress bar with ETA on the console."""
+    """A progress bar with ETA, on a terminal only: off a terminal (a log file) the console
+    lines carry the ETA and no bar is redrawn."""
 
 
 @dataclass
@@ -495,6 +505,8 @@ def validate(cfg: Config) -> list[str]:
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     positive("log.every", cfg.log.every)
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        p.append("log.wandb is true but the wandb package is not installed: pip install 'dflash-train[wandb]'")
     if cfg.eval.every < 0:
         p.append(f"eval.every must be >= 0 (0 turns evaluation off), got {cfg.eval.every}")
     elif cfg.eval.every and cfg.log.every > 0 and cfg.eval.every % cfg.log.every:

@@ -119,6 +119,15 @@ def resolve_mask_token_id(tokenizer, embedding_rows: int, configured: int | None
     return free[-1]
 
 
+def mask_token_string(tokenizer, mask_token_id: int) -> str | None:
+    """The token string of the mask id, or None when the id is past the tokenizer (an unused
+    embedding row, as Qwen3's 151669) or there is no tokenizer."""
+    if tokenizer is None or not 0 <= mask_token_id < len(tokenizer):
+        return None
+    token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
+    return token if isinstance(token, str) else None
+
+
 def build_drafter_config(
     target_config,
     *,
@@ -130,12 +139,15 @@ def build_drafter_config(
     sliding_window: int | None = None,
     layer_types: list[str] | None = None,
     intermediate_size: int | None = None,
+    mask_token: str | None = None,
 ) -> Qwen3Config:
     """A Qwen3 config for a drafter of `target_config` (any HF decoder config).
 
     Hidden size, heads, head_dim, norm eps, rope settings, vocabulary and context length come
     from the target. `sliding_window=W` alone makes every layer sliding-window; `layer_types`
-    picks per layer. Taps default to `default_target_layer_ids(L, num_taps or num_layers)`.
+    picks per layer. Taps default to `default_target_layer_ids(L, num_taps or num_layers)`;
+    the target's last layer cannot be tapped (`tap_problem`). `mask_token` is the mask id's
+    token string, when it has one (some SGLang versions read it).
     """
     problems = []
     text_cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -149,9 +161,9 @@ def build_drafter_config(
         problems.append(f"drafter.block_size must be >= 2, got {block_size}")
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(L, num_taps or num_layers)
-    bad = [i for i in target_layer_ids if not 0 <= int(i) < L]
-    if bad or not target_layer_ids:
-        problems.append(f"drafter.target_layer_ids {target_layer_ids} must be non-empty ids in [0, {L})")
+    problem = tap_problem(target_layer_ids, L)
+    if problem:
+        problems.append(f"drafter.target_layer_ids: {problem}")
     if layer_types is None:
         layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * num_layers
     if len(layer_types) != num_layers or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in layer_types):
@@ -163,11 +175,24 @@ def build_drafter_config(
         problems.append(
             f"sliding-window layers need drafter.sliding_window >= block_size ({block_size}), got {sliding_window}"
         )
-    if problems:
-        raise ValueError("invalid drafter settings:\n  - " + "\n  - ".join(problems))
     rope = getattr(text_cfg, "rope_parameters", None)
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": float(getattr(text_cfg, "rope_theta", 10000.0))}
+    if "rope_type" not in rope and any(isinstance(v, dict) for v in rope.values()):
+        problems.append(
+            f"the target's RoPE differs per layer type ({sorted(rope)}); a DFlash drafter has one RoPE "
+            f"and no serving engine reads per-layer-type RoPE for it: this target is not supported"
+        )
+    if problems:
+        raise ValueError("invalid drafter settings:\n  - " + "\n  - ".join(problems))
+    # The drafter's layers rotate whole heads: transformers 5's Qwen3 RoPE ignores a
+    # partial_rotary_factor and 4.x honours it, so inheriting the target's would make the two
+    # read one folder differently. The drafter's RoPE is its own (its q/k are its own).
+    rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    dflash = {"target_layer_ids": [int(i) for i in target_layer_ids], "mask_token_id": int(mask_token_id),
+              "block_size": int(block_size)}
+    if mask_token is not None:
+        dflash["mask_token"] = str(mask_token)
     return Qwen3Config(
         architectures=[ARCHITECTURE],
         hidden_size=hidden,
@@ -186,11 +211,84 @@ def build_drafter_config(
         use_sliding_window=SLIDING_ATTENTION in layer_types,
         sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
         layer_types=list(layer_types),
-        max_window_layers=num_layers,
+        max_window_layers=_max_window_layers(layer_types),
         block_size=block_size,
         num_target_layers=L,
-        dflash_config={"target_layer_ids": [int(i) for i in target_layer_ids], "mask_token_id": int(mask_token_id)},
+        dflash_config=dflash,
     )
+
+
+def tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
+    """What is wrong with these taps of a target of `num_target_layers` layers, or None.
+    Serving engines capture `hidden_states[id + 1]` of layers before the last one only, so a
+    drafter tapping the last layer (or beyond) could be trained but never served."""
+    L = int(num_target_layers)
+    ids = list(target_layer_ids or [])
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return f"{ids!r} must be a non-empty list of layer ids"
+    last = [i for i in ids if i == L - 1]
+    if last:
+        return (f"{ids} taps the target's last layer ({L - 1}): no serving engine can capture it (vLLM, "
+                f"SGLang and the transformers backend read hidden_states[id + 1] of the layers before the "
+                f"last), so such a drafter could never be served; tap layers in [0, {L - 2}]")
+    bad = [i for i in ids if not 0 <= i < L - 1]
+    if bad:
+        return f"{ids}: ids {bad} are outside [0, {L - 2}] (the target has {L} layers; the last cannot be tapped)"
+    return None
+
+
+def _max_window_layers(layer_types: list[str]) -> int:
+    """The legacy Qwen2 reading of layer types: the first `max_window_layers` layers use full
+    attention, the rest slide. Agrees with `layer_types` whenever the full layers come first;
+    readers of this field alone cannot express any other order (README, serving)."""
+    full = 0
+    while full < len(layer_types) and layer_types[full] == FULL_ATTENTION:
+        full += 1
+    return full
+
+
+LEGACY_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
+# Keys that change every layer's attention in some consumers (vLLM reads dflash_config.causal);
+# this model ignores them (full layers are bidirectional inside the block, sliding ones causal,
+# exactly as training masks them), so a saved drafter never carries them.
+OVERRIDE_KEYS = ("is_causal", "causal", "use_swa")
+
+
+def with_legacy_fields(config_dict: dict) -> dict:
+    """A config dict as every consumer must read it. transformers 5 writes only
+    `rope_parameters`; transformers 4.5x (the official DFlash backend pins 4.57.1; vLLM builds on
+    transformers < 5) reads only the legacy top-level `rope_theta`, `rope_scaling` (no `type`
+    key) and `partial_rotary_factor`, and without them builds the default base (10000). Both
+    conventions are written so that both build the same inverse frequencies; `torch_dtype`
+    mirrors `dtype` for readers older than it. A dict from transformers 4.x is completed the
+    other way (its legacy fields become `rope_parameters`)."""
+    out = {k: v for k, v in config_dict.items() if k not in LEGACY_KEYS}
+    rope = config_dict.get("rope_parameters")
+    if rope is None and config_dict.get("rope_theta") is not None:
+        rope = {**(config_dict.get("rope_scaling") or {}), "rope_theta": config_dict["rope_theta"]}
+        if config_dict.get("partial_rotary_factor") is not None:
+            rope["partial_rotary_factor"] = config_dict["partial_rotary_factor"]
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        rope = dict(rope)
+        kind = rope.pop("type", None)
+        rope.setdefault("rope_type", kind or "default")
+        out["rope_parameters"] = rope
+        out["rope_theta"] = rope["rope_theta"]
+        if rope.get("partial_rotary_factor") is not None:
+            out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        out["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+    elif "rope_parameters" in config_dict:
+        out["rope_parameters"] = rope
+    dtype = config_dict.get("dtype") or config_dict.get("torch_dtype")
+    if dtype is not None:
+        out["dtype"] = out["torch_dtype"] = dtype
+    return out
+
+
+def write_config_json(config_dict: dict, path: Path) -> None:
+    """config.json as every consumer reads it (`with_legacy_fields`), keys sorted."""
+    Path(path).write_text(json.dumps(with_legacy_fields(config_dict), indent=2, sort_keys=True) + "\n")
 
 
 def _dflash_field(config, name: str, default: Any = None) -> Any:
@@ -438,9 +536,16 @@ class DFlashDrafter(nn.Module):
             **(getattr(config, "dflash_config", None) or {}),
             "target_layer_ids": list(self.target_layer_ids),
             "mask_token_id": self.mask_token_id,
+            "block_size": self.block_size,
         }
         config.dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        config.to_json_file(str(path / CONFIG_NAME))
+        # Written from the whole dict (every field explicit) after transformers serialises it,
+        # which drops the legacy fields 4.x readers need (with_legacy_fields).
+        raw = config.to_dict()
+        for key in OVERRIDE_KEYS:
+            raw.pop(key, None)
+        raw["dflash_config"] = {k: v for k, v in raw["dflash_config"].items() if k not in OVERRIDE_KEYS}
+        write_config_json(raw, path / CONFIG_NAME)
         tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
 
@@ -496,6 +601,11 @@ def config_from_dict(raw: dict, source: str = "config") -> Qwen3Config:
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(raw.get(name), int):
             problems.append(f"{name} must be an integer, got {raw.get(name)!r}")
+    num_target_layers = raw.get("num_target_layers")
+    if isinstance(num_target_layers, int) and isinstance(ids, list) and ids:
+        problem = tap_problem(ids, num_target_layers)
+        if problem:
+            problems.append(f"dflash_config.target_layer_ids: {problem}")
     if problems:
         raise ValueError(f"{source}: not a DFlash drafter config:\n  - " + "\n  - ".join(problems))
     raw.pop("model_type", None)

@@ -35,6 +35,7 @@ GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer wit
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_SPEEDUP_TURNS = 10  # per set; each is decoded both ways once more when workers or batch size > 1
+DEFAULT_EAGER_TURNS = 2  # per set, on a GPU: the timed turns again without graphs (what the graphs buy)
 
 
 # --------------------------------------------------------------------------- prompt sets
@@ -212,38 +213,25 @@ def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]
     messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
 
 
-def decode_record(model, tokenizer, proposer, record: PromptRecord, index: int, *, name: str,
-                  max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
-                  baseline: bool) -> tuple[dict, list[TurnStats]]:
-    """Speculative decoding of every turn of one record (a later turn sees our earlier
-    answers); with `baseline`, each turn is also decoded target-only with the same prompt,
-    budget, stop tokens and seed, and a turn whose two outputs differ is marked mismatched.
-    `index` (the record's place in its set) picks the sampling seeds, so a record decodes the
-    same wherever it runs."""
-    messages: list[dict[str, str]] = []
-    entry = {"id": record.id, "set": name, "acceptance_lengths": [], "output_ids": []}
-    stats: list[TurnStats] = []
-    for turn, text in enumerate(record.turns):
-        messages.append({"role": "user", "content": text})
-        ids = prompt_ids(tokenizer, messages)
-        turn_seed = record_turn_seed(seed, index, turn)
-        gen = specdec.speculative_generate(model, ids, proposer, max_new_tokens, temperature=temperature,
-                                           stop_ids=stop_ids, seed=turn_seed)
-        base = specdec.target_generate(model, ids, max_new_tokens, temperature=temperature,
-                                       stop_ids=stop_ids, seed=turn_seed) if baseline else None
-        _add_turn(entry, stats, messages, tokenizer, gen, base)
-    entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
-    return entry, stats
+def decode_record(engine: specdec.Decoder, tokenizer, record: PromptRecord, index: int, *, name: str,
+                  max_new_tokens: int, seed: int, stop_ids: list[int], baseline: bool) -> tuple[dict, list[TurnStats]]:
+    """Speculative decoding of every turn of one record on `engine` (a later turn sees our
+    earlier answers); with `baseline`, each turn is also decoded target-only with the same
+    prompt, budget, stop tokens and seed, and a turn whose two outputs differ is marked
+    mismatched. `index` (the record's place in its set) picks the sampling seeds, so a record
+    decodes the same wherever it runs."""
+    return decode_records(engine, tokenizer, [(index, record)], name=name, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_ids=stop_ids, baseline=baseline)[0]
 
 
-def decode_records(model, tokenizer, proposer, records: list[tuple[int, PromptRecord]], *, name: str,
-                   max_new_tokens: int, temperature: float, seed: int, stop_ids: list[int],
+def decode_records(engine: specdec.Decoder, tokenizer, records: list[tuple[int, PromptRecord]], *, name: str,
+                   max_new_tokens: int, seed: int, stop_ids: list[int],
                    baseline: bool) -> list[tuple[dict, list[TurnStats]]]:
     """decode_record for several (index, record) pairs as one batch: round t decodes turn t of
-    every record that has it in one speculative_generate_batch call (and, with `baseline`, one
-    target_generate_batch call), so a record's second turn still sees its own first answer.
-    Same entries and mismatches as decode_record on each record; a turn's seconds are its
-    batch's (not comparable with batch-1 timings)."""
+    every record that has it in one `engine.speculate` call (and, with `baseline`, one
+    `engine.generate` call), so a record's second turn still sees its own first answer. Same
+    entries and mismatches as decode_record on each record; a turn's seconds are its batch's
+    (comparable with batch-1 timings only at one record)."""
     messages: list[list[dict[str, str]]] = [[] for _ in records]
     entries = [{"id": r.id, "set": name, "acceptance_lengths": [], "output_ids": []} for _, r in records]
     stats: list[list[TurnStats]] = [[] for _ in records]
@@ -253,10 +241,9 @@ def decode_records(model, tokenizer, proposer, records: list[tuple[int, PromptRe
             messages[k].append({"role": "user", "content": records[k][1].turns[turn]})
         prompts = [prompt_ids(tokenizer, messages[k]) for k in rows]
         seeds = [record_turn_seed(seed, records[k][0], turn) for k in rows]
-        gens = specdec.speculative_generate_batch(model, prompts, proposer, max_new_tokens, temperature=temperature,
-                                                  stop_ids=stop_ids, seed=seeds)
-        bases = specdec.target_generate_batch(model, prompts, max_new_tokens, temperature=temperature,
-                                              stop_ids=stop_ids, seed=seeds) if baseline else [None] * len(rows)
+        gens = engine.speculate(prompts, max_new_tokens, stop_ids=stop_ids, seed=seeds)
+        bases = engine.generate(prompts, max_new_tokens, stop_ids=stop_ids, seed=seeds) if baseline \
+            else [None] * len(rows)
         for k, gen, base in zip(rows, gens, bases):
             _add_turn(entries[k], stats[k], messages[k], tokenizer, gen, base)
     for entry in entries:
@@ -267,16 +254,18 @@ def decode_records(model, tokenizer, proposer, records: list[tuple[int, PromptRe
 def run_prompt_set(model, tokenizer, proposer, records: list[PromptRecord], *, name: str = "prompts",
                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
                    stop_ids: list[int] | None = None, measure_speedup: bool = False,
-                   speedup_turns: int | None = None, log=None) -> SetResult:
-    """Speculative decoding of every turn of every record, in this process. With
-    `measure_speedup`, every turn is also decoded target-only (`mismatched_turns`), and the
-    first `speedup_turns` turns (None: all) are the timed ones of the speedup."""
+                   speedup_turns: int | None = None, log=None, engine: specdec.Decoder | None = None) -> SetResult:
+    """Speculative decoding of every turn of every record, in this process (on `engine`, or
+    on one built for this call). With `measure_speedup`, every turn is also decoded
+    target-only (`mismatched_turns`), and the first `speedup_turns` turns (None: all) are the
+    timed ones of the speedup."""
     if stop_ids is None:
         stop_ids = specdec.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    engine = engine or specdec.Decoder(model, proposer, temperature=temperature)
     result = SetResult(name, int(proposer.block_size))
     for i, record in enumerate(records):
-        entry, turns = decode_record(model, tokenizer, proposer, record, i, name=name, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, seed=seed, stop_ids=stop_ids, baseline=measure_speedup)
+        entry, turns = decode_record(engine, tokenizer, record, i, name=name, max_new_tokens=max_new_tokens,
+                                     seed=seed, stop_ids=stop_ids, baseline=measure_speedup)
         result.add_record(entry, turns)
         result.add_timings(turns, speedup_turns)
         if log is not None:
@@ -284,11 +273,13 @@ def run_prompt_set(model, tokenizer, proposer, records: list[PromptRecord], *, n
     return result
 
 
-def warm_up(model, tokenizer, proposer, stop_ids) -> None:
-    """One short run of each decoder, so the first timed prompt pays no one-off costs."""
+def warm_up(engine: specdec.Decoder, tokenizer, stop_ids, capacity: int) -> None:
+    """Capture every batch-1 graph up to `capacity` positions, then one short run of each
+    decoder, so the timed prompts pay no one-off costs (the capture time is reported)."""
+    engine.capture(rows=1, capacity=capacity)
     ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}])
-    specdec.target_generate(model, ids, 4, stop_ids=stop_ids)
-    specdec.speculative_generate(model, ids, proposer, 4, stop_ids=stop_ids)
+    engine.generate([ids], 4, stop_ids=stop_ids)
+    engine.speculate([ids], 4, stop_ids=stop_ids)
 
 
 def combine(sets: list[SetResult], settings: dict) -> dict:
@@ -375,39 +366,46 @@ def write_outputs(result: dict, output: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------- loading and the CLI
 
 
-def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype):
-    """(target model, tokenizer, DFlashProposer of the drafter folder, stop ids) on `device`."""
+def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype, temperature: float = 0.0,
+                graphs: bool = True):
+    """(decoding engine of the target and a DFlashProposer of the drafter folder, tokenizer,
+    stop ids) on `device`; the engine (specdec.Decoder) keeps its graphs for the process."""
     from dflash_train.drafter import DFlashDrafter
 
     model, tokenizer = load_target_model(target, device, dtype)
     draft = DFlashDrafter.from_pretrained(drafter, dtype=dtype, device=device).eval()
-    proposer = specdec.DFlashProposer.for_target(draft, model)
-    return model, tokenizer, proposer, specdec.stop_token_ids(tokenizer, model.generation_config)
+    proposer = specdec.DFlashProposer.for_target(draft, model, graphs=graphs)
+    engine = specdec.Decoder(model, proposer, temperature=temperature, graphs=graphs)
+    return engine, tokenizer, specdec.stop_token_ids(tokenizer, model.generation_config)
 
 
 def _worker_setup(device, target: str, drafter: str, dtype: torch.dtype, options: dict):
-    return load_models(target, drafter, device, dtype), options
+    return load_models(target, drafter, device, dtype, options["temperature"]), options
+
+
+def _decode_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "temperature"}  # the engine's own setting
 
 
 def _worker_decode(state, item) -> tuple[tuple[int, list[int]], list[tuple[dict, list[TurnStats]]]]:
     """A chunk of (index, record) pairs of one set: one record at a time (batch size 1, the
     chunk holds one record), or all of them as one batch."""
-    (model, tokenizer, proposer, stop_ids), options = state
+    (engine, tokenizer, stop_ids), options = state
     name, chunk, batched = item
+    options = _decode_options(options)
     if batched:
-        decoded = decode_records(model, tokenizer, proposer, chunk, name=name, stop_ids=stop_ids, **options)
+        decoded = decode_records(engine, tokenizer, chunk, name=name, stop_ids=stop_ids, **options)
     else:
-        decoded = [decode_record(model, tokenizer, proposer, record, index, name=name, stop_ids=stop_ids, **options)
+        decoded = [decode_record(engine, tokenizer, record, index, name=name, stop_ids=stop_ids, **options)
                    for index, record in chunk]
-    return (int(proposer.block_size), stop_ids), decoded
+    return (int(engine.proposer.block_size), stop_ids), decoded
 
 
-def time_first_turns(loaded, sets: list[tuple[str, list[PromptRecord]]], results: list[SetResult],
-                     num_turns: int, options: dict) -> None:
+def time_first_turns(engine: specdec.Decoder, tokenizer, stop_ids, sets: list[tuple[str, list[PromptRecord]]],
+                     results: list[SetResult], num_turns: int, options: dict) -> None:
     """The speedup measurement: the first `num_turns` turns of each set decoded both ways and
-    timed in this process, with nothing else decoding (run after the workers have exited)."""
-    model, tokenizer, proposer, stop_ids = loaded
-    warm_up(model, tokenizer, proposer, stop_ids)
+    timed in this process on `engine`, with nothing else decoding (run after the workers have
+    exited); the timings go into `results`."""
     for (name, records), result in zip(sets, results):
         for index, record in enumerate(records):
             needed = num_turns - result.timed_turns
@@ -415,26 +413,45 @@ def time_first_turns(loaded, sets: list[tuple[str, list[PromptRecord]]], results
                 break
             # A turn depends only on the turns before it, so later ones can be left out.
             part = PromptRecord(record.id, record.turns[:needed])
-            _, turns = decode_record(model, tokenizer, proposer, part, index, name=name, stop_ids=stop_ids,
-                                     **{**options, "baseline": True})
+            _, turns = decode_record(engine, tokenizer, part, index, name=name, stop_ids=stop_ids,
+                                     **{**_decode_options(options), "baseline": True})
             result.add_timings(turns, num_turns)
+
+
+def eager_engine(engine: specdec.Decoder) -> specdec.Decoder:
+    """The same target and drafter with every step run eagerly (no graphs): what the graphs buy."""
+    proposer = engine.proposer
+    eager = specdec.DFlashProposer(proposer.drafter, proposer.embed_weight, proposer.lm_head_weight, graphs=False)
+    return specdec.Decoder(engine.model, eager, temperature=engine.temperature, top_p=engine.top_p, graphs=False)
+
+
+def warm_capacity(tokenizer, sets: list[tuple[str, list[PromptRecord]]], max_new_tokens: int, block_size: int) -> int:
+    """Positions the timed first turns need: the longest first-turn prompt, the budget and two
+    blocks (later turns that need more capture their graphs when they come; capture time is
+    never part of a decoding's seconds)."""
+    longest = max(len(prompt_ids(tokenizer, [{"role": "user", "content": r.turns[0]}]))
+                  for _, records in sets for r in records)
+    return longest + max_new_tokens + 2 * block_size + 2
 
 
 def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0, seed: int = 0,
              device: str = "auto", dtype: str = "auto", speedup: bool = True,
-             speedup_turns: int = DEFAULT_SPEEDUP_TURNS, workers: int = 1, batch_size: int = 1,
-             log=print) -> dict:
+             speedup_turns: int = DEFAULT_SPEEDUP_TURNS, eager_turns: int = DEFAULT_EAGER_TURNS,
+             workers: int = 1, batch_size: int = 1, graphs: bool = True, log=print) -> dict:
     """Load the target and a published-format drafter folder, run every prompt set, return the
     JSON document of `combine`. With `workers` > 1 the records are decoded by that many
     processes (workers.parallel_map; a record's turns stay together); with `batch_size` > 1,
     each process decodes `batch_size` records of a set per batch (decode_records). In both
     cases the speedup is then measured in this process alone, at batch size 1, after the main
-    pass; the results are those of `workers` = `batch_size` = 1 except timings."""
+    pass; the results are those of `workers` = `batch_size` = 1 except timings. Both decoders
+    of the speedup run on the engine with its graphs captured first; on a GPU the first
+    `eager_turns` turns of each set are timed again without graphs (`speedup_eager`)."""
     problems = [f"{flag} must be {need}, got {value}" for flag, value, ok, need in (
         ("--workers", workers, workers >= 1, ">= 1"),
         ("--batch-size", batch_size, batch_size >= 1, ">= 1"),
         ("--speedup-turns", speedup_turns, speedup_turns >= 0, ">= 0 (0 times no turn)"),
+        ("--eager-turns", eager_turns, eager_turns >= 0, ">= 0"),
         ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1")) if not ok]
     if problems:
         raise ValueError("; ".join(problems))
@@ -444,21 +461,23 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "baseline": speedup}
     timed = speedup_turns if speedup else 0
     started = time.perf_counter()
+    loaded = None
     if workers == 1 and batch_size == 1:
-        model, tokenizer, proposer, stop_ids = load_models(target, drafter, dev, torch_dtype)
+        loaded = load_models(target, drafter, dev, torch_dtype, temperature, graphs)
+        engine, tokenizer, stop_ids = loaded
         if speedup:
-            warm_up(model, tokenizer, proposer, stop_ids)
-        results = [run_prompt_set(model, tokenizer, proposer, records, name=name, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, seed=seed, stop_ids=stop_ids, measure_speedup=speedup,
-                                  speedup_turns=timed, log=log)
+            warm_up(engine, tokenizer, stop_ids, warm_capacity(tokenizer, sets, max_new_tokens,
+                                                                engine.proposer.block_size))
+        results = [run_prompt_set(engine.model, tokenizer, engine.proposer, records, name=name,
+                                  max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids,
+                                  measure_speedup=speedup, speedup_turns=timed, log=log, engine=engine)
                    for name, records in sets]
-        decode_s, speedup_s = time.perf_counter() - started, 0.0
+        decode_s = time.perf_counter() - started
     else:
         # Work items: chunks of `batch_size` records of one set (one record at batch size 1).
         chunks = [(k, name, list(enumerate(records))[a : a + batch_size])
                   for k, (name, records) in enumerate(sets) for a in range(0, len(records), batch_size)]
         items = [(name, chunk, batch_size > 1) for _, name, chunk in chunks]
-        loaded = None
         if workers > 1:
             mapped = parallel_map(_worker_setup, (target, drafter, torch_dtype, options), _worker_decode, items,
                                   num_workers=workers, device=dev)
@@ -474,14 +493,31 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
         results = [found[k] for k in range(len(sets))]
         decode_s = time.perf_counter() - started
         if timed:
-            time_first_turns(loaded or load_models(target, drafter, dev, torch_dtype), sets, results, timed, options)
-        speedup_s = time.perf_counter() - started - decode_s
+            loaded = loaded or load_models(target, drafter, dev, torch_dtype, temperature, graphs)
+            engine, tokenizer, stop_ids = loaded
+            warm_up(engine, tokenizer, stop_ids, warm_capacity(tokenizer, sets, max_new_tokens,
+                                                                engine.proposer.block_size))
+            time_first_turns(engine, tokenizer, stop_ids, sets, results, timed, options)
+    speedup_s = time.perf_counter() - started - decode_s
+    eager = None
+    if timed and eager_turns and loaded is not None and loaded[0].target.graphs.enabled:
+        engine, tokenizer, stop_ids = loaded
+        eager = [SetResult(name, r.block_size) for (name, _), r in zip(sets, results)]
+        time_first_turns(eager_engine(engine), tokenizer, stop_ids, sets, eager, min(eager_turns, timed), options)
+    eager_s = time.perf_counter() - started - decode_s - speedup_s
     settings = {"target": target, "drafter": str(drafter), "prompts": list(prompts), "limit": limit,
                 "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
                 "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."), "stop_ids": stop_ids,
-                "workers": workers, "batch_size": batch_size, "speedup_turns": timed}
+                "workers": workers, "batch_size": batch_size, "speedup_turns": timed,
+                "graphs": bool(loaded is not None and loaded[0].target.graphs.enabled),
+                "eager_turns": min(eager_turns, timed) if eager is not None else 0}
     doc = combine(results, settings)
-    doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s}
+    if eager is not None:
+        doc["speedup_eager"] = speedup_fields(sum(s.baseline_seconds for s in eager),
+                                              sum(s.baseline_tokens for s in eager),
+                                              sum(s.spec_seconds for s in eager), sum(s.spec_tokens for s in eager))
+    doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s, "eager": eager_s,
+                     "capture": loaded[0].capture_seconds if loaded is not None else 0.0}
     return doc
 
 
@@ -491,8 +527,9 @@ def run_eval(args) -> int:
     try:
         result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns, workers=args.workers,
-                          batch_size=args.batch_size)
+                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
+                          eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
+                          graphs=not args.no_graphs)
     except (ValueError, FileNotFoundError) as err:
         print(f"dflash-train eval: {err}", file=sys.stderr)
         return 2
@@ -511,29 +548,38 @@ def run_eval(args) -> int:
 class TrainingEvaluator:
     """tau of the drafter being trained on a small held-out prompt set (config section `eval`).
     Loads its own full copy of the target once (the trainer's target drops the layers after the
-    last tap), in the trainer's target dtype, on the trainer's device."""
+    last tap), in the trainer's target dtype, on the trainer's device. The drafter is evaluated
+    as it is served: a replica in the target's dtype (bf16 on a GPU, as exported), into which
+    each evaluation copies the current weights, on one decoding engine kept for the run (its
+    graphs captured at the first evaluation stay valid: the replica's storage never moves)."""
 
     def __init__(self, eval_cfg, target_cfg, device: torch.device) -> None:
         self.cfg = eval_cfg
         self.records = load_prompts(eval_cfg.prompts, eval_cfg.limit)
-        dtype = resolve_dtype(target_cfg.dtype, device)
+        self.dtype = resolve_dtype(target_cfg.dtype, device)
+        self.device = device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            self.model, self.tokenizer = load_target_model(target_cfg.path, device, dtype)
+            self.model, self.tokenizer = load_target_model(target_cfg.path, device, self.dtype)
         self.stop_ids = specdec.stop_token_ids(self.tokenizer, self.model.generation_config)
+        self.replica = None
+        self.engine: specdec.Decoder | None = None
 
-    def __call__(self, drafter, autocast) -> dict:
-        """Metrics of the current weights: eval mode for the call, train mode restored after;
-        no noise (the proposer never adds any) and no gradients (inference mode)."""
-        was_training = drafter.training
-        drafter.eval()
-        try:
-            with autocast:
-                proposer = specdec.DFlashProposer.for_target(drafter, self.model)
-                result = run_prompt_set(self.model, self.tokenizer, proposer, self.records,
-                                        name=set_label(self.cfg.prompts), max_new_tokens=self.cfg.max_new_tokens,
-                                        stop_ids=self.stop_ids)
-        finally:
-            drafter.train(was_training)
+    def __call__(self, drafter, autocast=None) -> dict:
+        """Metrics of the current weights (no noise: the proposer never adds any; no gradients:
+        inference mode). `autocast` is not needed: the replica runs in the target's dtype."""
+        from dflash_train.drafter import DFlashDrafter
+
+        drafter = getattr(drafter, "module", drafter)  # DDP
+        if self.replica is None:
+            self.replica = DFlashDrafter(drafter.config).to(self.device, self.dtype).eval().requires_grad_(False)
+            proposer = specdec.DFlashProposer.for_target(self.replica, self.model)
+            self.engine = specdec.Decoder(self.model, proposer)
+        with torch.no_grad():
+            for name, value in drafter.state_dict().items():
+                self.replica.state_dict()[name].copy_(value)
+        result = run_prompt_set(self.model, self.tokenizer, self.engine.proposer, self.records,
+                                name=set_label(self.cfg.prompts), max_new_tokens=self.cfg.max_new_tokens,
+                                stop_ids=self.stop_ids, engine=self.engine)
         summary = result.summary()
         return {
             "eval_tau": summary["tau"],

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.assets import atomic_folder
+from dflash_train.drafter import CONFIG_NAME, write_config_json
 
 
 def export_drafter(drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -27,9 +28,9 @@ def export_drafter(drafter, out_dir: str | Path, dtype: torch.dtype = torch.bflo
     with atomic_folder(out) as tmp:
         exported = copy.deepcopy(drafter).to("cpu", dtype)
         exported.save_pretrained(tmp)
-        cfg = json.loads((tmp / "config.json").read_text())
+        cfg = json.loads((tmp / CONFIG_NAME).read_text())
         cfg["auto_map"] = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        write_config_json(cfg, tmp / CONFIG_NAME)
         shutil.copyfile(drafter_module.__file__, tmp / "drafter.py")
         shutil.copyfile(modeling_module.__file__, tmp / "modeling_dflash.py")
     return out

@@ -1,15 +1,21 @@
 """Training metrics: device-side accumulation, stage timers, and the sinks they go to.
 
 Owns what a log step shows and where it goes: `OUTPUT/metrics.jsonl` (always, one JSON object
-per log step), TensorBoard, Weights & Biases (when enabled and installed; WANDB_MODE=offline
-works), one console line per log step and a progress bar with ETA. Values accumulate on the
-device between log steps; `Accumulator.flush` is the one host sync of an interval.
+per log step), TensorBoard, Weights & Biases (`log.wandb`: every field, nested ones flattened
+with `/`, the resolved config and the evaluation tables; WANDB_MODE=offline works; a resumed
+run continues the same W&B run), one console line per log step, and on a terminal a progress
+bar with ETA (off a terminal, no bar redraws: the console line carries the ETA). Values
+accumulate on the device between log steps; `Accumulator.flush` is the one host sync of an
+interval. The curves and the summary of a finished run are plot.py's.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
+import string
+import sys
 import time
 from pathlib import Path
 
@@ -173,6 +179,133 @@ class StageTimer:
         return out
 
 
+def console_is_terminal() -> bool:
+    """Whether both console streams are a terminal: progress bars redraw with carriage returns,
+    which a log file (`make train > train.log`, a batch scheduler's log) must not hold."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def quiet_progress_bars() -> None:
+    """Off a terminal, turn off the progress bars of the libraries a run loads through
+    (datasets' caching, transformers' weight loading): the log keeps its fixed lines only."""
+    if console_is_terminal():
+        return
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    datasets.disable_progress_bars()
+    transformers_logging.disable_progress_bar()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def console_line(record: dict, total_steps: int, eta_s: float | None) -> str:
+    """The fixed console line of a log step: step, loss, tau (walked tau first when the record
+    has it, then the served eval tau of an evaluation step, then the training estimate tau~),
+    throughput and ETA, then the rest."""
+    width = len(str(total_steps))
+    parts = [f"step {record['step']:>{width}}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if record.get("walked_tau") is not None:
+        parts.append(f"walked tau {record['walked_tau']:.2f}")
+    if record.get("eval_tau") is not None:
+        parts.append(f"eval tau {record['eval_tau']:.2f}")
+    parts += [f"tau~ {record['tau_estimate']:.2f}", f"{record['tokens_per_s']:.0f} tok/s",
+              f"{record['samples_per_s']:.2f} samples/s", f"eta {format_duration(eta_s) if eta_s is not None else '?'}",
+              f"acc {record['acc']:.3f}", f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.2f}",
+              f"ep {record['epoch']}"]
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']}")
+    if record.get("skipped_batches"):
+        parts.append(f"failed batches {record['skipped_batches']}")
+    return " | ".join(parts)
+
+
+# Batch statistics: W&B groups them under batch/.
+BATCH_FIELDS = ("avg_seq_len", "avg_max_seq_len", "avg_batch_size", "padding_efficiency")
+# Per-prompt detail that goes to W&B as a table, not as scalars.
+TABLE_FIELDS = ("eval_acceptance_lengths",)
+
+
+def flatten(value, key: str = ""):
+    """(key, number) pairs of a record's value: nested dicts and lists give `key/name` and
+    `key/index` (`stage_s/backward`, `wait_s/drafter_recv/0`); None and text are left out."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from flatten(v, f"{key}/{k}" if key else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from flatten(v, f"{key}/{i}")
+    elif isinstance(value, bool):
+        yield key, int(value)
+    elif isinstance(value, (int, float)):
+        yield key, value
+
+
+def wandb_scalars(record: dict) -> dict[str, float]:
+    """Every metrics.jsonl field as W&B scalars, flattened; the batch statistics under batch/."""
+    out = {}
+    for k, v in record.items():
+        if k not in TABLE_FIELDS:
+            out.update(flatten(v, f"batch/{k}" if k in BATCH_FIELDS else k))
+    return out
+
+
+class WandbRun:
+    """The W&B run of a run folder. Its id is kept in OUTPUT/wandb_id, so a resumed run (the
+    same command again) continues the same W&B run; logged at the training step."""
+
+    ID_FILE = "wandb_id"
+
+    def __init__(self, output_dir: Path, project: str, config_dict: dict) -> None:
+        import wandb  # installed: the config check says so
+
+        self.wandb = wandb
+        id_path = Path(output_dir) / self.ID_FILE
+        if id_path.exists():
+            run_id = id_path.read_text().strip()
+        else:
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+            id_path.write_text(run_id + "\n")
+        try:
+            self.run = wandb.init(project=project, dir=str(output_dir), id=run_id, resume="allow",
+                                  name=Path(output_dir).name, config=config_dict, allow_val_change=True)
+        except wandb.errors.UsageError as err:  # no login: said as a config problem, not a traceback
+            from dflash_train.config import ConfigError
+
+            raise ConfigError([f"log.wandb: {err} (or set WANDB_MODE=offline to write {output_dir}/wandb "
+                               f"only, and `wandb sync` it later)"]) from err
+
+    def log(self, record: dict) -> None:
+        payload: dict = wandb_scalars(record)
+        if record.get("run_histogram"):
+            payload["histogram/run_length"] = self.histogram(record["run_histogram"], first=0)
+        if record.get("eval_histogram"):
+            payload["histogram/eval_acceptance"] = self.histogram(record["eval_histogram"], first=1)
+        if record.get("eval_acceptance_lengths") is not None:
+            payload["eval/per_prompt"] = self.acceptance_table(record["eval_acceptance_lengths"])
+        self.run.log(payload, step=record["step"])
+
+    def histogram(self, counts: list[int], first: int):
+        """Counts of the integer values first, first + 1, ...: one bin centred on each."""
+        edges = [first - 0.5 + i for i in range(len(counts) + 1)]
+        return self.wandb.Histogram(np_histogram=(counts, edges))
+
+    def acceptance_table(self, per_prompt: list[list[list[int]]]):
+        """One row per prompt and turn: its cycles, tau (mean acceptance length) and lengths."""
+        table = self.wandb.Table(columns=["prompt", "turn", "cycles", "tau", "acceptance_lengths"])
+        for p, turns in enumerate(per_prompt):
+            for t, lengths in enumerate(turns):
+                tau = sum(lengths) / len(lengths) if lengths else None
+                table.add_data(p, t, len(lengths), tau, " ".join(map(str, lengths)))
+        return table
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class NullSink:
     """What ranks other than the logging one get: every call does nothing."""
 
@@ -183,27 +316,22 @@ class NullSink:
 
 
 class MetricsSink:
-    """JSONL + TensorBoard + W&B + console line + progress bar, for the logging rank."""
+    """JSONL + TensorBoard + W&B + console line (+ progress bar on a terminal), for the logging
+    rank."""
 
     def __init__(self, output_dir: Path, log_cfg, config_dict: dict, total_steps: int, start_step: int) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self._truncate_after(start_step)
         self.file = open(self.path, "a")
+        self.total_steps, self.start_step, self.started = total_steps, start_step, time.perf_counter()
         self.tb = None
         if log_cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
-        self.wandb = None
-        if log_cfg.wandb:
-            try:
-                import wandb
-            except ImportError as err:
-                raise RuntimeError("log.wandb=true but the `wandb` package is not installed: pip install wandb") from err
-            self.wandb = wandb.init(project=log_cfg.wandb_project, dir=str(output_dir), config=config_dict,
-                                    resume="allow", name=Path(output_dir).name)
+        self.wandb = WandbRun(output_dir, log_cfg.wandb_project, config_dict) if log_cfg.wandb else None
         self.bar = None
-        if log_cfg.progress:
+        if log_cfg.progress and console_is_terminal():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
@@ -225,6 +353,14 @@ class MetricsSink:
         if self.bar is not None:
             self.bar.update(n)
 
+    def eta_s(self, step: int) -> float | None:
+        """Seconds to the last step at this invocation's pace so far (evaluations and saves
+        included); None before the first step."""
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (time.perf_counter() - self.started) / done * max(self.total_steps - step, 0)
+
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -236,22 +372,8 @@ class MetricsSink:
             for k, v in record.get("stage_s", {}).items():
                 self.tb.add_scalar(f"stage_s/{k}", v, step)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-        line = (
-            f"step {step:>6} | ep {record['epoch']} | loss {record['loss']:.4f} | acc {record['acc']:.3f} "
-            f"| tau~ {record['tau_estimate']:.2f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.2f} "
-            f"| {record['tokens_per_s']:.0f} tok/s | {record['samples_per_s']:.2f} samples/s"
-        )
-        if "eval_tau" in record:
-            line += f" | eval tau {record['eval_tau']:.2f}"
-        if record.get("skipped_steps"):
-            line += f" | skipped {record['skipped_steps']}"
-        if record.get("skipped_batches"):
-            line += f" | failed batches {record['skipped_batches']}"
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+            self.wandb.log(record)
+        self.event(console_line(record, self.total_steps, self.eta_s(step)))
 
     def event(self, text: str) -> None:
         if self.bar is not None:
@@ -264,6 +386,6 @@ class MetricsSink:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.close()
         if self.bar is not None:
             self.bar.close()

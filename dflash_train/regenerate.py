@@ -2,11 +2,22 @@
 
 Owns `dflash-train data regenerate`: reading records with data.py's reader (bad records are
 skipped and reported), rendering each assistant turn's context with the target's chat template,
-batched generation with left padding (greedy by default), and a resumable JSONL output in the
-input's format, written in fixed chunks that one process or several (`--workers`, each with its
-own copy of the target) regenerate. Turn k of a conversation is generated from the user turns and the already
-regenerated turns before it, the context the target would really have had. The paper calls
-this data the largest lever on acceptance (REFERENCE.md 3).
+and a resumable JSONL output in the input's format. Turn k of a conversation is generated from
+the user turns and the already regenerated turns before it, the context the target would really
+have had. The paper calls this data the largest lever on acceptance (REFERENCE.md 3).
+
+Scheduling is continuous batching over conversations (`regenerate_stream`): up to `window`
+conversations are in flight, each with at most one turn being answered; when a turn's answer
+comes back, that conversation's next turn is submitted at once, and a finished conversation
+makes room for the next one, so the responder always has work. Answers come from a
+`Responder`: the target on decode.py's engine (`LocalResponder`: rows refilled as they finish,
+CUDA graphs on a GPU), or serving engines (`ServerResponder` over serving.ServerPool,
+`--server`: vLLM, SGLang, `transformers serve`). Lines are written in input order, so an output
+is always a prefix of the full one and a rerun resumes after its last whole line. A turn's
+sampling seed depends only on (seed, record position, turn) (serving.turn_seed), and at T = 0
+in float32 a turn's tokens depend only on its prompt, so the output does not depend on the
+batch size, the refill order or `--workers` (processes that each regenerate fixed chunks of
+records with their own engine).
 """
 
 from __future__ import annotations
@@ -14,14 +25,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Protocol
 
 from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, render
+from dflash_train.serving import ServerError, turn_seed
 from dflash_train.workers import WorkerError
 
 DEFAULT_MAX_NEW_TOKENS = 2048
-CHUNK_BATCHES = 4  # records per written chunk = CHUNK_BATCHES * batch_size
+CHUNK_BATCHES = 4  # with --workers: records per chunk a worker regenerates = CHUNK_BATCHES * batch_size
 SHOWN_SKIPS = 20  # skipped records printed by the command (the summary counts them all)
 # The canonical role names written back, per input format.
 OUTPUT_ROLES = {
@@ -75,149 +88,270 @@ def resume_point(out: Path, records: list[Record]) -> int:
     return len(lines)
 
 
-class Generator:
-    """The target and its tokenizer, answering batches of conversations."""
+class Responder(Protocol):
+    """What regeneration asks for answers. `submit` hands over one turn's prompt (rendered text
+    and its token ids) under a key; `poll` waits until at least one submitted turn is answered
+    (returns [] when none is in flight) and returns (key, answer text without the stop token,
+    finished on a stop token)."""
 
-    def __init__(self, target, device: str = "auto", model=None, tokenizer=None):
-        from dflash_train.target import load_target_model, resolve_device
+    capacity: int  # turns worth having in flight at once
 
-        self.device = resolve_device(device, setting="--device")
-        if model is None:
-            model, loaded_tokenizer = load_target_model(str(target), self.device)
-            tokenizer = tokenizer or loaded_tokenizer
-        if tokenizer is None:
-            from transformers import AutoTokenizer
+    def submit(self, key, text: str, ids: list[int], seed: int) -> None: ...
 
-            tokenizer = AutoTokenizer.from_pretrained(target)
-        self.tokenizer = tokenizer
-        self.tokenizer.padding_side = "left"  # generation continues every row at the same column
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = model.to(self.device).eval()
-        eos = self.model.generation_config.eos_token_id
-        self.eos_token_id = eos if eos is not None else self.tokenizer.eos_token_id
-
-    def prompt_length(self, messages: list[dict[str, str]]) -> int:
-        text = render(self.tokenizer, messages, generation_prompt=True)
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def answer(self, prompts: list[list[dict[str, str]]], max_new_tokens: int, temperature: float,
-               top_p: float, batch_size: int) -> tuple[list[str], int]:
-        """Responses to each prompt (a message list ending with a user turn), generated in
-        batches of similar length; also how many hit max_new_tokens without ending."""
-        import torch
-
-        texts = [render(self.tokenizer, p, generation_prompt=True) for p in prompts]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-        answers: list[str] = [""] * len(texts)
-        unfinished = 0
-        eos_ids = set(self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id])
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            batch = self.tokenizer([texts[i] for i in rows], add_special_tokens=False, padding=True,
-                                   return_tensors="pt").to(self.device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 \
-                else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-            with torch.inference_mode():
-                out_BT = self.model.generate(
-                    **batch, max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                    eos_token_id=self.eos_token_id, **sampling,
-                )
-            new_BN = out_BT[:, batch["input_ids"].shape[1]:].tolist()
-            for row, ids in zip(rows, new_BN):
-                ends = [k for k, t in enumerate(ids) if t in eos_ids]
-                if not ends:
-                    unfinished += 1
-                ids = ids[: ends[0]] if ends else ids
-                answers[row] = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return answers, unfinished
+    def poll(self) -> list[tuple[Any, str, bool]]: ...
 
 
-def regenerate_chunk(generator: Generator, records: list[Record], settings: dict[str, Any],
-                     stats: dict[str, int]) -> list[dict[str, Any]]:
-    """Regenerate a chunk of records turn by turn: round r answers the r-th assistant turn of
-    every conversation of the chunk in one batched pass."""
-    outputs: list[list[dict[str, str]]] = [[] for _ in records]
-    cursors = [0] * len(records)
-    active = list(range(len(records)))
-    while active:
-        prompts, owners = [], []
-        for k in active:
-            messages = records[k].messages
-            while cursors[k] < len(messages) and messages[cursors[k]]["role"] != "assistant":
-                outputs[k].append(messages[cursors[k]])
-                cursors[k] += 1
-            if cursors[k] == len(messages):
-                continue
-            try:
-                too_long = generator.prompt_length(outputs[k]) > settings["max_prompt_length"]
-            except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
-                stats["num_template_errors"] += 1
-                continue  # cut here, like an over-long prompt
-            if too_long:
-                stats["num_cut"] += 1  # the rest of this conversation is dropped
-                continue
-            prompts.append(outputs[k])
-            owners.append(k)
-        answers, unfinished = generator.answer(
-            prompts, settings["max_new_tokens"], settings["temperature"], settings["top_p"],
-            settings["batch_size"],
-        ) if prompts else ([], 0)
-        stats["num_unfinished"] += unfinished
-        stats["num_turns"] += len(answers)
-        stats["num_empty"] += sum(not answer.strip() for answer in answers)
-        for k, answer in zip(owners, answers):
-            outputs[k].append({"role": "assistant", "content": answer})
-            cursors[k] += 1
-        active = owners
-    return [to_output(record, messages) for record, messages in zip(records, outputs)]
+class LocalResponder:
+    """The target on the decoding engine: turns are decode.SlotDecoder requests, `rows` at a
+    time, rows refilled as they finish."""
+
+    def __init__(self, model, tokenizer, *, rows: int, max_new_tokens: int, max_prompt_length: int,
+                 temperature: float, top_p: float, graphs: bool = True) -> None:
+        from dflash_train.decode import SlotDecoder
+        from dflash_train.specdec import stop_token_ids
+
+        self.tokenizer, self.max_new_tokens, self.capacity = tokenizer, int(max_new_tokens), int(rows)
+        stop = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+        self.slots = SlotDecoder.for_model(model, rows, max_prompt_length + max_new_tokens + 2,
+                                           temperature=temperature, top_p=top_p, graphs=graphs, stop_ids=stop)
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.slots.generated
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.slots.steps.graphs.capture_seconds
+
+    def submit(self, key, text: str, ids: list[int], seed: int) -> None:
+        self.slots.add(key, ids, self.max_new_tokens, seed)
+
+    def poll(self) -> list[tuple[Any, str, bool]]:
+        while self.slots.busy:
+            done = self.slots.step()
+            if done:
+                texts = self.tokenizer.batch_decode([f.output_ids[:-1] if f.stopped else f.output_ids for f in done],
+                                                    skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                return [(f.key, text, f.stopped) for f, text in zip(done, texts)]
+        return []
+
+
+class ServerResponder:
+    """Turns answered by serving engines (serving.ServerPool): each submitted turn is one
+    completion request of its rendered prompt (serving.prompt_text: the server's token ids are
+    ours), with its turn seed; at most the pool's concurrency are in flight."""
+
+    def __init__(self, pool, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        self.pool, self.tokenizer = pool, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = int(max_new_tokens), float(temperature), float(top_p)
+        self.capacity = int(pool.concurrency)
+        self.futures: dict = {}
+        self.generated_tokens = 0
+        self.capture_seconds = 0.0
+
+    def submit(self, key, text: str, ids: list[int], seed: int) -> None:
+        from dflash_train.serving import prompt_text
+
+        future = self.pool.submit(prompt_text(self.tokenizer, text), self.max_new_tokens, self.temperature,
+                                  self.top_p, seed)
+        self.futures[future] = key
+
+    def poll(self) -> list[tuple[Any, str, bool]]:
+        """The requests that completed; a ServerError (the server named) once one failed."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self.futures:
+            return []
+        done, _ = wait(self.futures, return_when=FIRST_COMPLETED)
+        out = []
+        for future in done:
+            key = self.futures.pop(future)
+            text, finished = future.result()
+            self.generated_tokens += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            out.append((key, text, finished))
+        return out
+
+
+class Conversation:
+    """One record on its way through regeneration: the messages so far (system and user turns
+    as written, assistant turns as regenerated) and where it stands in the record."""
+
+    def __init__(self, position: int, record: Record) -> None:
+        self.position, self.record = position, record
+        self.messages: list[dict[str, str]] = []
+        self.cursor = 0  # index of the next message of the record
+        self.turn = 0  # assistant turns answered so far
+
+    def next_prompt(self) -> list[dict[str, str]] | None:
+        """The context of the next assistant turn (ending with its user turn), or None when
+        the record has no more assistant turns."""
+        messages = self.record.messages
+        while self.cursor < len(messages) and messages[self.cursor]["role"] != "assistant":
+            self.messages.append(messages[self.cursor])
+            self.cursor += 1
+        return None if self.cursor == len(messages) else self.messages
+
+    def answer(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.cursor += 1
+        self.turn += 1
+
+    def line(self) -> str:
+        return json.dumps(to_output(self.record, self.messages), ensure_ascii=False) + "\n"
 
 
 CHUNK_STATS = ("num_turns", "num_unfinished", "num_empty", "num_cut", "num_template_errors")
 
 
-def regenerate_span(generator: Generator, records: list[Record], position: int, settings: dict[str, Any]
-                    ) -> tuple[str, dict[str, int]]:
-    """The output lines (JSONL text) of the chunk of `records` that starts at record
-    `position`, and its counts. Sampling is seeded by (seed, position), so a chunk comes out
-    the same whichever process, and whichever run, makes it."""
-    import torch
+def regenerate_stream(responder: Responder, tokenizer, records: list[Record], first_position: int,
+                      settings: dict[str, Any], stats: dict[str, int]) -> Iterator[str]:
+    """The output lines of `records` (whose first is record `first_position` of the input), in
+    order, regenerated by continuous batching over conversations (module docstring). A
+    conversation is cut (its remaining turns dropped; counted in `num_cut`, or
+    `num_template_errors` when the template refuses it) before a turn whose prompt exceeds
+    `max_prompt_length` tokens. `stats` (CHUNK_STATS) is updated as turns come back."""
+    window = max(1, int(settings.get("window") or 2 * responder.capacity))
+    waiting = deque(enumerate(records, start=first_position))
+    active: dict[int, Conversation] = {}
+    finished: dict[int, str] = {}
+    next_out = first_position
 
-    torch.manual_seed(settings["seed"] * 1_000_003 + position)
-    stats = dict.fromkeys(CHUNK_STATS, 0)
-    lines = regenerate_chunk(generator, records, settings, stats)
-    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), stats
+    def advance(conv: Conversation) -> None:
+        """Submit the conversation's next turn, or finish it."""
+        prompt = conv.next_prompt()
+        if prompt is not None:
+            try:
+                text = render(tokenizer, prompt, generation_prompt=True)
+            except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
+                stats["num_template_errors"] += 1
+                prompt = None
+            else:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > settings["max_prompt_length"]:
+                    stats["num_cut"] += 1  # the rest of this conversation is dropped
+                    prompt = None
+                else:
+                    responder.submit(conv.position, text, ids, turn_seed(settings["seed"], conv.position, conv.turn))
+                    return
+        del active[conv.position]
+        finished[conv.position] = conv.line()
+
+    while waiting or active:
+        while waiting and len(active) < window:
+            position, record = waiting.popleft()
+            active[position] = Conversation(position, record)
+            advance(active[position])
+        while next_out in finished:
+            yield finished.pop(next_out)
+            next_out += 1
+        for position, text, stopped in (responder.poll() if active else []):
+            stats["num_turns"] += 1
+            stats["num_unfinished"] += not stopped
+            stats["num_empty"] += not text.strip()
+            active[position].answer(text)
+            advance(active[position])
+    while next_out in finished:
+        yield finished.pop(next_out)
+        next_out += 1
+
+
+def load_responder(target, device: str, settings: dict[str, Any], model=None, tokenizer=None):
+    """(LocalResponder on the target, tokenizer): the target loaded once per process."""
+    from dflash_train.target import load_target_model, resolve_device
+
+    dev = resolve_device(device, setting="--device")
+    if model is None:
+        model, loaded_tokenizer = load_target_model(str(target), dev)
+        tokenizer = tokenizer or loaded_tokenizer
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    model = model.to(dev).eval()
+    responder = LocalResponder(model, tokenizer, rows=settings["batch_size"],
+                               max_new_tokens=settings["max_new_tokens"],
+                               max_prompt_length=settings["max_prompt_length"], temperature=settings["temperature"],
+                               top_p=settings["top_p"], graphs=settings.get("graphs", True))
+    return responder, tokenizer
 
 
 def _worker_setup(device, target: str, tokenizer, settings: dict[str, Any]):
-    return Generator(target, device=str(device), tokenizer=tokenizer), settings
+    responder, tokenizer = load_responder(target, str(device), settings, tokenizer=tokenizer)
+    return responder, tokenizer, settings
 
 
 def _worker_span(state, item) -> tuple[str, dict[str, int]]:
-    generator, settings = state
+    """One chunk of records (position, records) regenerated in a worker: its lines and counts."""
+    responder, tokenizer, settings = state
     position, records = item
-    return regenerate_span(generator, records, position, settings)
+    stats = dict.fromkeys(CHUNK_STATS, 0)
+    before = responder.generated_tokens
+    text = "".join(regenerate_stream(responder, tokenizer, records, position, settings, stats))
+    stats["num_new_tokens"] = responder.generated_tokens - before
+    return text, stats
+
+
+class _Writer:
+    """Appends lines to the output in order: flushed and fsynced every `every_s` seconds and at
+    the end, so a run killed at any point leaves a prefix of the output (at worst a partial
+    last line, cut off on resume)."""
+
+    def __init__(self, path: Path, every_s: float = 5.0) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "a", encoding="utf-8")
+        self.every_s, self.last = every_s, time.perf_counter()
+
+    def write(self, text: str) -> None:
+        self.handle.write(text)
+        if time.perf_counter() - self.last >= self.every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.last = time.perf_counter()
+
+    def close(self) -> None:
+        self.sync()
+        self.handle.close()
+
+
+def _progress(log, done: int, total: int, resumed: int, stats: dict, tokens: int, started: float) -> None:
+    elapsed = time.perf_counter() - started
+    rate = (done - resumed) / elapsed if elapsed > 0 else 0.0
+    eta = (total - done) / rate if rate > 0 else float("inf")
+    log(f"data regenerate: {done}/{total} records, {stats['num_turns']} turns, {tokens} tokens, "
+        f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta:.0f} s")
 
 
 def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
-               top_p: float = 1.0, batch_size: int = 32, max_prompt_length: int = 3072,
+               top_p: float = 1.0, batch_size: int = 64, max_prompt_length: int = 3072,
                device: str = "auto", seed: int = 0, limit: int | None = None, log=print,
-               model=None, tokenizer=None, workers: int = 1) -> dict[str, Any]:
+               model=None, tokenizer=None, workers: int = 1, graphs: bool = True,
+               servers: list[str] | None = None, server_options: dict[str, Any] | None = None,
+               progress_every_s: float = 10.0) -> dict[str, Any]:
     """Write `out` (JSONL, one line per valid input record, in the record's own format) with
     every assistant turn replaced by the target's response. Resumes an existing `out`; with
-    `limit`, stops after that many more records. With `workers` > 1, chunks are regenerated by
-    that many processes (workers.parallel_map) and appended in order, so the output is the same.
-    Returns a summary with the skipped records."""
-    from dflash_train.target import resolve_device
+    `limit`, stops after that many more records. `batch_size` is the number of turns decoded
+    at once (engine rows). With `workers` > 1, chunks of records are regenerated by that many
+    processes (workers.parallel_map) and appended in order, so the output is the same.
+    With `servers` (base URLs), the turns are sent to those serving engines instead
+    (serving.ServerPool, which takes `server_options`: concurrency, model, timeout, retries),
+    scheduled the same way, and only the target's tokenizer is loaded. Returns a summary with
+    the skipped records and the measured rate."""
+    from dflash_train.target import resolve_device, resolve_target_path
     from dflash_train.workers import parallel_map
 
     problems = [f"{name}={value}" for name, value in
-                (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("workers", workers)) if value < 1]
+                (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("workers", workers),
+                 ("max_prompt_length", max_prompt_length)) if value < 1]
     if temperature < 0 or not 0 < top_p <= 1:
         problems.append(f"temperature={temperature}, top_p={top_p} (need temperature >= 0, 0 < top_p <= 1)")
     if workers > 1 and model is not None:
         problems.append("workers > 1 loads the target in each worker: pass a target path, not a model object")
+    if servers and (workers != 1 or device != "auto" or model is not None):
+        problems.append("--server sends every turn to the servers: --workers and --device (and a model "
+                        "object) are for local generation only; leave them out")
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
     out = Path(out)
@@ -228,41 +362,72 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     done = resume_point(out, records)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
-               "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0)}
+               "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), "num_new_tokens": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
     stop = len(records) if limit is None else min(len(records), done + limit)
     if done >= stop:
         return summary
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "batch_size": batch_size, "max_prompt_length": max_prompt_length, "seed": seed}
-    # Chunks sit on fixed boundaries, so a resumed run batches records as a fresh run does.
-    chunk = CHUNK_BATCHES * batch_size
-    spans, position = [], done
-    while position < stop:
-        spans.append((position, min(stop, (position // chunk + 1) * chunk)))
-        position = spans[-1][1]
-    if workers == 1:
-        generator = Generator(target, device=device, model=model, tokenizer=tokenizer)
-        results = (regenerate_span(generator, records[a:b], a, settings) for a, b in spans)
-    else:
-        results = parallel_map(_worker_setup, (str(target), tokenizer, settings), _worker_span,
-                               [(a, records[a:b]) for a, b in spans], num_workers=workers,
-                               device=resolve_device(device, setting="--device"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    for (a, b), (text, stats) in zip(spans, results):
-        # Appended whole chunks in order: a run killed at any point leaves a prefix of the
-        # output (at worst a partial last line, cut off on resume).
-        with open(out, "a", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        for key, value in stats.items():
-            summary[key] += value
-        summary["num_written"] += b - a
-        log(f"data regenerate: {b}/{len(records)} records, {summary['num_turns']} turns, "
-            f"{time.perf_counter() - started:.0f} s")
+                "batch_size": batch_size, "max_prompt_length": max_prompt_length, "seed": seed, "graphs": graphs}
+    started = last_log = time.perf_counter()
+    pool = None
+    if servers:
+        from dflash_train.serving import ServerPool
+
+        pool = ServerPool(servers, **(server_options or {}))
+    writer = None
+    try:
+        if workers == 1:
+            if pool is not None:
+                models = pool.check()  # before anything is written: a wrong URL fails in seconds
+                log("data regenerate: " + ", ".join(f"{url} ({name})" for url, name in models.items())
+                    + f", concurrency {pool.concurrency}")
+                if tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(str(target)))
+                responder = ServerResponder(pool, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p)
+            else:
+                responder, tokenizer = load_responder(target, device, settings, model=model, tokenizer=tokenizer)
+            writer = _Writer(out)
+            started = last_log = time.perf_counter()
+            for line in regenerate_stream(responder, tokenizer, records[done:stop], done, settings, summary):
+                writer.write(line)
+                summary["num_written"] += 1
+                summary["num_new_tokens"] = responder.generated_tokens
+                if time.perf_counter() - last_log >= progress_every_s:
+                    _progress(log, done + summary["num_written"], stop, done, summary,
+                              summary["num_new_tokens"], started)
+                    last_log = time.perf_counter()
+            summary["capture_s"] = responder.capture_seconds
+        else:
+            writer = _Writer(out)
+            chunk = CHUNK_BATCHES * batch_size
+            spans, position = [], done
+            while position < stop:  # fixed boundaries: a resumed run makes the same chunks
+                spans.append((position, min(stop, (position // chunk + 1) * chunk)))
+                position = spans[-1][1]
+            results = parallel_map(_worker_setup, (str(target), tokenizer, settings), _worker_span,
+                                   [(a, records[a:b]) for a, b in spans], num_workers=workers,
+                                   device=resolve_device(device, setting="--device"))
+            for (a, b), (text, stats) in zip(spans, results):
+                writer.write(text)
+                writer.sync()
+                for key, value in stats.items():
+                    summary[key] += value
+                summary["num_written"] += b - a
+                _progress(log, b, stop, done, summary, summary["num_new_tokens"], started)
+    finally:
+        if writer is not None:
+            writer.close()
+        if pool is not None:
+            pool.close()
+    seconds = time.perf_counter() - started
+    summary["seconds"] = seconds
+    summary["tokens_per_s"] = summary["num_new_tokens"] / seconds if seconds > 0 else None
+    _progress(log, done + summary["num_written"], stop, done, summary, summary["num_new_tokens"], started)
     return summary
 
 
@@ -272,9 +437,17 @@ def run_regenerate(args) -> int:
         summary = regenerate(args.data, args.target, args.out, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
                              max_prompt_length=args.max_prompt_length, device=args.device,
-                             seed=args.seed, limit=args.limit, workers=args.workers)
+                             seed=args.seed, limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
+                             servers=args.server,
+                             server_options={"concurrency": args.concurrency, "model": args.server_model,
+                                             "timeout": args.timeout, "retries": args.retries})
     except (DataError, WorkerError) as err:
         print(f"error: {err}")
+        return 1
+    except ServerError as err:
+        print(f"error: {err}")
+        if Path(args.out).exists():
+            print(f"the records already written to {args.out} stay; the same command resumes after them")
         return 1
     for skip in summary["skipped"][:SHOWN_SKIPS]:
         print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")

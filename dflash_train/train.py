@@ -24,10 +24,12 @@ from dflash_train.compilation import Compilation
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.control import Control, Stop, TrainingStopped
 from dflash_train.dist import Assignment, Dist
-from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.drafter import (DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id,
+                                  tap_problem)
 from dflash_train.export import export_drafter
 from dflash_train.faults import Faults
-from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib
+from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib, quiet_progress_bars
+from dflash_train.plot import report_run
 from dflash_train.produce import FeatureNoise, Producer
 from dflash_train.step import DrafterStep
 from dflash_train.target import TargetHeads, load_target, resolve_target_path
@@ -71,9 +73,9 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
         text = target_config.get_text_config()
         if drafter.config.hidden_size != text.hidden_size:
             problems.append(f"drafter.init_from: hidden size {drafter.config.hidden_size} != target's {text.hidden_size}")
-        bad = [i for i in drafter.target_layer_ids if i >= text.num_hidden_layers]
-        if bad:
-            problems.append(f"drafter.init_from: taps {bad} beyond the target's {text.num_hidden_layers} layers")
+        problem = tap_problem(drafter.target_layer_ids, text.num_hidden_layers)
+        if problem:
+            problems.append(f"drafter.init_from: taps {problem}")
         if drafter.mask_token_id >= vocab_rows:
             problems.append(f"drafter.init_from: mask token {drafter.mask_token_id} has no embedding row")
         if problems:
@@ -85,6 +87,7 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
             target_config, num_layers=d.num_layers, block_size=d.block_size, mask_token_id=mask_id,
             target_layer_ids=d.target_layer_ids, num_taps=d.num_taps, sliding_window=d.sliding_window,
             layer_types=d.layer_types, intermediate_size=d.intermediate_size,
+            mask_token=mask_token_string(tokenizer, mask_id),
         )
     except ValueError as err:
         raise ConfigError([str(err)]) from err
@@ -275,7 +278,7 @@ def train_drafter(run: Run) -> Path | None:
     if not run.dist.is_leader:
         return None
     exported = export_drafter(run.step.drafter, run.out / "drafter", getattr(torch, cfg.checkpoint.export_dtype))
-    run.log(f"drafter exported to {exported}")
+    report_run(run.out, exported, run.log)
     return exported
 
 
@@ -426,6 +429,7 @@ def warm_up(run: Run) -> None:
 
 
 def train(cfg: Config, log=print) -> Path | None:
+    quiet_progress_bars()
     run = build(cfg, log)
     result = train_drafter(run) if run.step is not None else train_target(run)
     run.dist.close()

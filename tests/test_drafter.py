@@ -132,7 +132,8 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 8
-    assert cfg["dflash_config"] == {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 127}
+    assert cfg["dflash_config"] == {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 127,
+                                    "block_size": 4}
     assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 8
     loaded = DFlashDrafter.from_pretrained(tmp_path)
     a, b = drafter.state_dict(), loaded.state_dict()
@@ -157,7 +158,7 @@ def test_foreign_published_config_loads_as_written(tmp_path):
         "rms_norm_eps": 1e-6, "vocab_size": 128, "max_position_embeddings": 512,
         "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False,
         "num_target_layers": 30, "torch_dtype": "bfloat16", "use_cache": False,
-        "dflash_config": {"block_size": 10, "target_layer_ids": [2, 7, 29], "mask_token_id": 101},
+        "dflash_config": {"block_size": 10, "target_layer_ids": [2, 7, 28], "mask_token_id": 101},
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     reference = DFlashDrafter(Qwen3Config(**{**cfg, "layer_types": ["full_attention"]}))
@@ -165,7 +166,7 @@ def test_foreign_published_config_loads_as_written(tmp_path):
 
     save_file({f"model.{k}": v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "model.safetensors"))
     loaded = DFlashDrafter.from_pretrained(tmp_path)
-    assert loaded.target_layer_ids == [2, 7, 29]
+    assert loaded.target_layer_ids == [2, 7, 28]
     assert loaded.mask_token_id == 101 and loaded.block_size == 10
     assert loaded.fc.weight.shape == (64, 3 * 64)
     assert loaded.config.rope_parameters["rope_theta"] == 1000000.0
@@ -197,8 +198,8 @@ def test_default_taps():
     assert default_target_layer_ids(30, 3) == [1, 14, 27]
     cfg = build_drafter_config(tiny_target_config(), num_layers=3, mask_token_id=1)
     assert cfg.dflash_config["target_layer_ids"] == default_target_layer_ids(8, 3)
-    cfg = build_drafter_config(tiny_target_config(), num_layers=3, mask_token_id=1, target_layer_ids=[0, 7])
-    assert cfg.dflash_config["target_layer_ids"] == [0, 7]
+    cfg = build_drafter_config(tiny_target_config(), num_layers=3, mask_token_id=1, target_layer_ids=[0, 6])
+    assert cfg.dflash_config["target_layer_ids"] == [0, 6]
     cfg = build_drafter_config(tiny_target_config(), num_layers=2, num_taps=4, mask_token_id=1)
     assert len(cfg.dflash_config["target_layer_ids"]) == 4
 

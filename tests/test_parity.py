@@ -31,10 +31,11 @@ class RecordingProposer(DFlashProposer):
         self.anchors: list[int] = []
         self.proposals: list[torch.Tensor] = []
 
-    def propose(self, sequence_ids_1S, context_1TF):
-        proposals = super().propose(sequence_ids_1S, context_1TF)
-        self.anchors.append(sequence_ids_1S.shape[1] - 1)
-        self.proposals.append(proposals.clone())
+    def propose_batch(self, sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor):
+        proposals = super().propose_batch(sequence_ids_RS, anchor_R, context_RTF, context_len_R, max_anchor)
+        assert anchor_R.numel() == 1, "one sequence"
+        self.anchors.append(int(anchor_R[0]))
+        self.proposals.append(proposals[0].clone())
         return proposals
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
 from dflash_train import specdec
 from dflash_train.target import LayerTaps
-from dflash_train.specdec import (DFlashProposer, acceptance_histogram, choose_tokens, crop_cache,
+from dflash_train.specdec import (DFlashProposer, acceptance_histogram, choose_tokens,
                                   mean_acceptance, speculative_generate, speculative_generate_batch,
                                   target_generate, target_generate_batch, turn_mean_tau)
 
@@ -46,7 +46,7 @@ class OracleProposer:
         self.references, self.block_size, self.wrong = _per_row(reference), block_size, wrong
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, *engine_sizes) -> None:
         self.rows = list(range(len(self.references)))
 
     def keep_rows(self, index_R) -> None:
@@ -79,8 +79,8 @@ class MixedProposer:
         self.block_size, self.target_layer_ids = inner.block_size, inner.target_layer_ids
         self.raw: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def reset(self) -> None:
-        self.inner.reset()
+    def reset(self, *engine_sizes) -> None:
+        self.inner.reset(*engine_sizes)
         self.oracle.reset()
 
     def keep_rows(self, index_R) -> None:
@@ -108,21 +108,6 @@ class MixedProposer:
 
 
 # --------------------------------------------------------------------------- plumbing
-
-
-def test_crop_cache_keeps_the_first_positions(tiny_target):
-    cache = DynamicCache(config=tiny_target.config)
-    ids = torch.tensor([random_prompt(10, 0)])
-    with torch.no_grad():
-        tiny_target(input_ids=ids, past_key_values=cache, use_cache=True)
-    keys = cache.layers[0].keys.clone()
-    crop_cache(cache, 6)
-    assert cache.get_seq_length() == 6
-    assert torch.equal(cache.layers[0].keys, keys[..., :6, :])
-    crop_cache(cache, 6)  # no-op
-    assert cache.get_seq_length() == 6
-    with pytest.raises(ValueError):
-        crop_cache(cache, 7)
 
 
 def test_layer_taps_are_hf_hidden_states(tiny_target):

@@ -1,0 +1,564 @@
+"""The decoding engine: static key/value buffers, shape buckets and CUDA graphs.
+
+Owns how the target and the drafter run at inference, for speculative decoding (specdec.py),
+target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.py) alike:
+
+- `StaticCache`: one preallocated key/value buffer per layer, [rows, Hkv, C, Dh], where column c
+  of row r holds position c of the sequence in slot r (rows at different lengths need no padding
+  between their tokens; a rejected draft position is overwritten before anything sees it).
+  Column C - 1 is the trash column: padding writes go there and no mask ever shows it.
+- Position masks (`causal_position_mask`, `target_masks`): a key at column k is visible to the
+  query at position q when k <= q (and q - k < W in a sliding-window layer), so masks need no
+  bookkeeping of holes.
+- `Graphs`: each step function (the target's one-token decode step and B-token verify step, the
+  drafter's block step) runs eagerly on CPU, and on CUDA is captured once per shape bucket
+  (rows x columns read) as a CUDA graph and replayed with fresh inputs copied into its static
+  ones: a small model's step costs kernel launches and host work, not GPU time, and a replay
+  removes both. Eager and captured runs launch the same kernels, so they give the same numbers.
+  Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
+- Token choice (`choose`): the target's token at a position, greedy or sampled. Sampling
+  (temperature, top-p) is the Gumbel-max trick with noise hashed from (row seed, position,
+  token): the same position gets the same noise whichever forward scores it, at whatever batch
+  size, so speculative and target-only decoding commit the same tokens, and a seeded run is
+  reproducible. No generator state, no host work: it is captured with the step.
+- `SlotDecoder`: target-only decoding with rows refilled as they finish (continuous batching),
+  the engine of `data regenerate`.
+
+Shape legend: R rows, Q tokens per row in one forward, C cache columns, W columns a forward
+reads (its width bucket), V vocabulary, F tapped features, B block size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.loss import accepted_run_length
+
+# --------------------------------------------------------------------------- buckets
+
+MIN_WIDTH = 64
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Row counts a step is captured for: powers of two up to max_rows, and max_rows."""
+    out, r = [], 1
+    while r < max_rows:
+        out.append(r)
+        r *= 2
+    return out + [int(max_rows)]
+
+
+def width_buckets(capacity: int) -> list[int]:
+    """Key-column counts a step is captured for: 64, 128, then steps of x1.5 / x1.33 (64 * 2^k
+    and 96 * 2^k), and the largest width the cache allows (capacity - 1; the last column is the
+    trash column). Attention reads this many columns, so a row set pays for about its longest
+    row, never for the whole cache."""
+    last = int(capacity) - 1
+    out, w = [], MIN_WIDTH
+    while w < last:
+        out.append(w)
+        w = w * 3 // 2 if (w & (w - 1)) == 0 else w * 4 // 3
+    return out + [last]
+
+
+def pick(value: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= value."""
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+# --------------------------------------------------------------------------- token choice
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32, in int64 without overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (xor-shift-multiply, two rounds)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_hash(seeds_R: torch.Tensor, positions_RQ: torch.Tensor) -> torch.Tensor:
+    seeds = seeds_R.to(torch.int64)
+    s = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ 0x68E31DA4))
+    return _mix32(s[:, None] ^ _mix32(positions_RQ.to(torch.int64) & _M32))
+
+
+def _to_uniform(x: torch.Tensor) -> torch.Tensor:
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, in (0, 1)
+
+
+def position_uniform(seeds_R: torch.Tensor, positions_RQ: torch.Tensor) -> torch.Tensor:
+    """[R, Q] float32 in (0, 1): a function of (seed of row r, position) alone."""
+    return _to_uniform(_row_hash(seeds_R, positions_RQ))
+
+
+GUMBEL_CHUNK = 1 << 24  # noise elements made at once (int64 temporaries of that many)
+
+
+def position_gumbel(seeds_R: torch.Tensor, positions_RQ: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, Q, V] float32 Gumbel noise: element (r, q, v) a function of (seed of row r, position
+    q, token v) alone, so a position gets the same noise whichever forward, decoder and batch
+    scores it."""
+    R, Q = positions_RQ.shape
+    token_V = _mix32(torch.arange(vocab, device=positions_RQ.device, dtype=torch.int64) * 0x9E3779B1 & _M32)
+    h_RQ = _row_hash(seeds_R, positions_RQ)
+    rows = max(1, GUMBEL_CHUNK // max(1, Q * vocab))
+    parts = []
+    for a in range(0, R, rows):
+        u = _to_uniform(_mix32(h_RQ[a : a + rows, :, None] ^ token_V))
+        parts.append(-torch.log(-torch.log(u)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def choose(logits_RQV: torch.Tensor, positions_RQ: torch.Tensor, seeds_R: torch.Tensor,
+           temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """The target's token [R, Q] from its logits; `positions_RQ` are the absolute positions of
+    the tokens being chosen (logits at position q choose the token at q + 1). T = 0: argmax.
+    T > 0: a sample of softmax(logits / T), restricted when top_p < 1 to the smallest set of
+    most likely tokens whose mass reaches top_p, by the Gumbel-max trick with
+    `position_gumbel(seed, position)` noise. (The argmax of perturbed scores moves only when
+    two of them nearly tie, so the rounding of differently batched forwards almost never
+    changes a sample; inverting a float32 cumulative sum over a large vocabulary would.)"""
+    if temperature <= 0:
+        return logits_RQV.argmax(dim=-1)
+    scores = logits_RQV.float() / temperature
+    if top_p < 1.0:
+        probs, order = torch.softmax(scores, dim=-1).sort(dim=-1, descending=True)
+        outside = (probs.cumsum(dim=-1) - probs) >= top_p  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(outside).scatter_(-1, order, outside), float("-inf"))
+    return (scores + position_gumbel(seeds_R, positions_RQ, scores.shape[-1])).argmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether a target config slides a window in any layer (as `target_masks` reads it)."""
+    types = set(getattr(config, "layer_types", None) or [])
+    return SLIDING_ATTENTION in types or (not types and getattr(config, "sliding_window", None) is not None)
+
+
+def causal_position_mask(query_pos_RQ: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """[R, 1, Q, W] bool: the key at column (= position) k is visible to the query at position q
+    when k <= q, and q - k < window for a sliding-window layer (transformers' convention)."""
+    key_W = torch.arange(width, device=query_pos_RQ.device)
+    q = query_pos_RQ[:, None, :, None]
+    visible = key_W <= q
+    return visible & (q - key_W < window) if window else visible
+
+
+def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
+    """The target's attention mask for a StaticCache forward, as transformers takes a prepared
+    4-D mask (as given): one tensor, or a dict by layer type for models that mix full and
+    sliding-window layers (Qwen2/3, ...); a config with a window and no layer types slides in
+    every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None) if has_sliding_layers(config) else None
+    if window is not None and getattr(config, "layer_types", None):
+        return {FULL_ATTENTION: causal_position_mask(query_pos_RQ, width),
+                SLIDING_ATTENTION: causal_position_mask(query_pos_RQ, width, window)}
+    return causal_position_mask(query_pos_RQ, width, window)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class StaticCache:
+    """Keys/values of up to `rows` sequences, [rows, Hkv, capacity, Dh] per layer, column c of row
+    r holding position c of slot r (see the module docstring). Same `update(k, v, layer_idx)` /
+    `get_seq_length` surface as transformers' caches, so the HF target and the drafter both take
+    it as `past_key_values`.
+
+    Before each forward, `bind(columns_RQ, width, row_index)` names the column each input token
+    is written to (a padding token's column is `trash`) and how many columns the forward reads;
+    the forward's rows are slots 0..R-1, or the slots in `row_index` (prefill into chosen slots).
+    Buffers are allocated at the first (eager) write, never inside a graph capture."""
+
+    def __init__(self, rows: int, capacity: int) -> None:
+        self.rows, self.capacity = int(rows), int(capacity)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.columns_RQ: torch.Tensor | None = None
+        self.row_index: torch.Tensor | None = None
+        self.width = 0
+
+    @property
+    def trash(self) -> int:
+        return self.capacity - 1
+
+    def bind(self, columns_RQ: torch.Tensor, width: int, row_index: torch.Tensor | None = None) -> None:
+        if width > self.trash:
+            raise ValueError(f"a forward reading {width} columns needs capacity > {width}, have {self.capacity}")
+        self.columns_RQ, self.width, self.row_index = columns_RQ, int(width), row_index
+
+    def _buffers(self, layer_idx: int, like: torch.Tensor):
+        if layer_idx == len(self.keys):
+            assert not _capturing(), "cache buffers must exist before a CUDA graph is captured"
+            _, H, _, D = like.shape
+            self.keys.append(like.new_zeros(self.rows, H, self.capacity, D))
+            self.values.append(like.new_zeros(self.rows, H, self.capacity, D))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def update(self, k_RHQD: torch.Tensor, v_RHQD: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self._buffers(layer_idx, k_RHQD)
+        R, H, Q, D = k_RHQD.shape
+        W = self.width
+        if self.row_index is None:
+            index = self.columns_RQ[:, None, :, None].expand(R, H, Q, D)
+            keys[:R].scatter_(2, index, k_RHQD)
+            values[:R].scatter_(2, index, v_RHQD)
+            return keys[:R, :, :W], values[:R, :, :W]
+        rows = self.row_index[:, None, None]
+        heads = torch.arange(H, device=k_RHQD.device)[None, :, None]
+        cols = self.columns_RQ[:, None, :]
+        keys.index_put_((rows, heads, cols), k_RHQD)
+        values.index_put_((rows, heads, cols), v_RHQD)
+        return keys[self.row_index, :, :W], values[self.row_index, :, :W]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def move_rows(self, src_R: torch.Tensor, dst_R: torch.Tensor) -> None:
+        """Slot dst_R[i] takes over the contents of slot src_R[i] (compaction)."""
+        for buf in (*self.keys, *self.values):
+            buf.index_copy_(0, dst_R, buf.index_select(0, src_R))
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Graphs:
+    """Step functions by shape key: `run(key, fn, *inputs)` calls fn(*inputs) eagerly, or (CUDA,
+    enabled) replays the graph captured for `key` after copying `inputs` into its static inputs.
+    fn must be a function of its tensor inputs (and of state it only writes idempotently, as the
+    caches), returning a tuple of tensors; the returned tensors are the graph's static outputs,
+    valid until the next run of the same key. One memory pool is shared by every graph (they
+    never run at the same time)."""
+
+    device: torch.device
+    enabled: bool = True
+    capture_seconds: float = 0.0
+    num_captured: int = 0
+    entries: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.enabled = bool(self.enabled) and self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def run(self, key, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.enabled:
+            return fn(*inputs)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._capture(fn, inputs)
+        for static, x in zip(entry.inputs, inputs):
+            static.copy_(x, non_blocking=True)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _capture(self, fn, inputs) -> _Captured:
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        static = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
+            fn(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = tuple(fn(*static))
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - started
+        self.num_captured += 1
+        return _Captured(graph, static, outputs)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+# --------------------------------------------------------------------------- the target
+
+
+class TargetSteps:
+    """The target's forwards on one StaticCache: prefill (eager, any shapes), the one-token
+    decode step and the B-token verify step (one Graphs key per row and width bucket). With
+    `taps`, the verify step (and prefill) also returns the tapped layers' features."""
+
+    def __init__(self, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 taps=None, graphs: bool = True) -> None:
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = StaticCache(rows, capacity)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.taps = taps
+        self.graphs = Graphs(self.device, graphs)
+        self.rows = row_buckets(rows)
+        self.widths = width_buckets(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def _forward(self, ids_RQ, pos_RQ, width: int, row_index=None, logits_to_keep=0):
+        """Padding tokens (position -1) write to the trash column and query as position 0, so
+        that they see one key and stay finite; nothing reads what they produce."""
+        self.cache.bind(torch.where(pos_RQ < 0, self.cache.trash, pos_RQ), width, row_index)
+        pos_RQ = pos_RQ.clamp(min=0)
+        mask = target_masks(self.model.config, pos_RQ, width)
+        return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask, past_key_values=self.cache,
+                          use_cache=True, logits_to_keep=logits_to_keep).logits
+
+    def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds_R: torch.Tensor, features: bool = True):
+        """Prompts (1-D id tensors) into slots `slots`, in one eager forward (right-padded; a
+        padding key is overwritten by the row's own token at that column before any of the
+        row's queries can see it). Returns the first new token of each row [R] (chosen at
+        position len(prompt)), and with taps the features [R, P, F] of every prompt position
+        (right-padded)."""
+        R, P = len(prompts), max(len(p) for p in prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        ids_RP = torch.zeros(R, P, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids_RP[i, : len(p)] = p.to(self.device)
+        pos_RP = torch.arange(P, device=self.device).expand(R, P)
+        last = (lengths - 1)[:, None]
+        pos_RP = torch.where(pos_RP <= last, pos_RP, -1)  # padding: written to the trash column
+        # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
+        keep = sorted(set((lengths - 1).tolist()))
+        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=torch.tensor(keep, device=self.device))
+        pick_R = torch.tensor([keep.index(int(n) - 1) for n in lengths.tolist()], device=self.device)
+        logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
+        first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
+        feats = self.taps.features() if self.taps is not None else None
+        return first_R, (feats if features else None)
+
+    def _decode_fn(self, width: int):
+        def fn(token_R, pos_R, seeds_R):
+            logits = self._forward(token_R[:, None], pos_R[:, None], width)
+            if self.taps is not None:
+                self.taps.outputs.clear()  # nothing reads a decode step's features
+            return (choose(logits, pos_R[:, None] + 1, seeds_R, self.temperature, self.top_p)[:, 0],)
+        return fn
+
+    def decode(self, token_R, pos_R, seeds_R, max_pos: int) -> torch.Tensor:
+        """One token per row: rows 0..R-1 of the cache (R padded up to its bucket with trash
+        rows), each writing its token at column pos and choosing the token at pos + 1; `max_pos`
+        (a host int) is the largest live position. Returns [R] tokens."""
+        R = token_R.shape[0]
+        Rb, W = pick(R, self.rows), pick(max_pos + 1, self.widths)
+        token_R, pos_R, seeds_R = _pad_rows(Rb, token_R, pos_R, seeds_R, pad_pos=-1)
+        (out,) = self.graphs.run(("decode", Rb, W), self._decode_fn(W), token_R, pos_R, seeds_R)
+        return out[:R]
+
+    def _verify_fn(self, width: int):
+        def fn(block_RB, pos_RB, seeds_R):
+            logits = self._forward(block_RB, pos_RB, width)
+            chosen_RB = choose(logits, pos_RB + 1, seeds_R, self.temperature, self.top_p)
+            acc_R = accepted_run_length(block_RB[:, 1:] == chosen_RB[:, :-1])
+            feats = self.taps.features() if self.taps is not None else None
+            return (chosen_RB, acc_R) + (() if feats is None else (feats,))
+        return fn
+
+    def verify(self, block_RB, pos_RB, seeds_R, max_pos: int):
+        """The block [anchor, proposals...] of every row at its positions, in one forward:
+        the target's token at every position [R, B], the accepted run of proposals [R]
+        (loss.accepted_run_length's count) and the tapped features of the block [R, B, F]."""
+        R = block_RB.shape[0]
+        Rb, W = pick(R, self.rows), pick(max_pos + 1, self.widths)
+        block_RB, pos_RB, seeds_R = _pad_rows(Rb, block_RB, pos_RB, seeds_R, pad_pos=-1)
+        chosen, acc, *feats = self.graphs.run(("verify", Rb, W), self._verify_fn(W), block_RB, pos_RB, seeds_R)
+        return chosen[:R], acc[:R], (feats[0][:R] if feats else None)
+
+
+def _pad_rows(rows: int, *tensors, pad_pos: int):
+    """Pad per-row tensors up to `rows` rows: token ids 0, positions `pad_pos` (the trash
+    column; -1 is mapped there), seeds 0. The second tensor is the positions."""
+    R = tensors[0].shape[0]
+    if R == rows:
+        return tensors
+    out = []
+    for i, t in enumerate(tensors):
+        pad = t.new_full((rows - R, *t.shape[1:]), pad_pos if i == 1 else 0)
+        out.append(torch.cat([t, pad]))
+    return out
+
+
+# --------------------------------------------------------------------------- continuous batching
+
+
+@dataclass
+class Finished:
+    key: object
+    output_ids: list[int]
+    stopped: bool
+
+
+class SlotDecoder:
+    """Target-only decoding of many prompts with rows refilled as they finish: `add` queues a
+    prompt (ids, budget, seed) under a key; each `step` refills free slots (once at least
+    `refill` of them are free, or when nothing runs), decodes one token for every live row and
+    returns the requests that finished. A row's output depends only on its own prompt, seed and
+    budget (position-hashed sampling; at T = 0 in float32 the tokens do not depend on what else
+    runs), so the order of refills changes nothing.
+
+    A finished row leaves a hole (its position set to -1: it writes to the trash column and
+    nothing reads it) that the next refill fills, lowest slot first, so a step runs the slots
+    0..k-1 of the smallest row bucket holding every live row; once no request waits and the
+    live rows fit a smaller bucket, they are moved into the lowest slots."""
+
+    def __init__(self, steps: TargetSteps, rows: int | None = None, *, stop_ids: Iterable[int] = (),
+                 refill: int | None = None, prefill_tokens: int = 32768) -> None:
+        self.steps = steps
+        self.device = steps.device
+        rows = steps.cache.rows if rows is None else min(int(rows), steps.cache.rows)
+        self.max_rows = int(rows)
+        self.refill = max(1, int(refill if refill is not None else rows // 8))
+        self.prefill_tokens = int(prefill_tokens)
+        self.stop = set(int(s) for s in stop_ids)
+        self.pending: list[tuple[object, torch.Tensor, int, int]] = []
+        self.slots: list[dict | None] = []  # per slot: key, pos, budget, out; None = a hole
+        self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.pos_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.seed_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.generated = 0  # new tokens so far (prefill tokens included)
+
+    @classmethod
+    def for_model(cls, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                  graphs: bool = True, **kw) -> "SlotDecoder":
+        """A SlotDecoder on its own TargetSteps (caches of `rows` x `capacity`)."""
+        return cls(TargetSteps(model, rows, capacity, temperature=temperature, top_p=top_p, graphs=graphs), **kw)
+
+    def add(self, key, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> None:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if prompt.numel() == 0:
+            raise ValueError(f"request {key!r}: empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"request {key!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prompt.numel() + max_new_tokens > self.steps.capacity - 1:
+            raise ValueError(f"request {key!r}: {prompt.numel()} prompt + {max_new_tokens} new tokens exceed the "
+                             f"cache ({self.steps.capacity - 1} positions)")
+        self.pending.append((key, prompt, int(max_new_tokens), int(seed)))
+
+    @property
+    def num_live(self) -> int:
+        return sum(row is not None for row in self.slots)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.num_live)
+
+    def _fill(self) -> list[Finished]:
+        live = self.num_live
+        free = self.max_rows - live
+        if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
+            return []
+        holes = [i for i, row in enumerate(self.slots) if row is None]
+        holes += list(range(len(self.slots), self.max_rows))
+        take, longest = [], 0
+        while self.pending and len(take) < free:
+            n = self.pending[0][1].numel()
+            if take and (len(take) + 1) * max(longest, n) > self.prefill_tokens:
+                break
+            take.append(self.pending.pop(0))
+            longest = max(longest, n)
+        chosen = holes[: len(take)]
+        used = max(len(self.slots), chosen[-1] + 1)
+        if used > len(self.slots):  # grow the per-slot tensors (new slots start as holes)
+            grow = used - len(self.slots)
+            self.slots += [None] * grow
+            self.token_R = torch.cat([self.token_R, self.token_R.new_zeros(grow)])
+            self.pos_R = torch.cat([self.pos_R, self.pos_R.new_full((grow,), -1)])
+            self.seed_R = torch.cat([self.seed_R, self.seed_R.new_zeros(grow)])
+        slots = torch.tensor(chosen, device=self.device)
+        seeds = torch.tensor([t[3] for t in take], device=self.device)
+        first, _ = self.steps.prefill(slots, [t[1] for t in take], seeds, features=False)
+        self.token_R[slots] = first
+        self.pos_R[slots] = torch.tensor([t[1].numel() for t in take], device=self.device)
+        self.seed_R[slots] = seeds
+        for slot, (key, prompt, budget, _), t in zip(chosen, take, first.tolist()):  # host sync: first tokens
+            self.slots[slot] = {"key": key, "pos": prompt.numel(), "budget": budget, "out": [t]}
+        self.generated += len(take)
+        return self._retire(chosen)
+
+    def _retire(self, candidates: Iterable[int]) -> list[Finished]:
+        """Rows whose last token is a stop token or whose budget is spent leave their slot."""
+        done, holes = [], []
+        for i in candidates:
+            row = self.slots[i]
+            stopped = row["out"][-1] in self.stop
+            if stopped or len(row["out"]) >= row["budget"]:
+                done.append(Finished(row["key"], row["out"], stopped))
+                self.slots[i] = None
+                holes.append(i)
+        if holes:
+            self.pos_R[torch.tensor(holes, device=self.device)] = -1
+        while self.slots and self.slots[-1] is None:
+            self.slots.pop()
+        used = len(self.slots)
+        self.token_R, self.pos_R, self.seed_R = self.token_R[:used], self.pos_R[:used], self.seed_R[:used]
+        if not self.pending and used and pick(self.num_live, self.steps.rows) < pick(used, self.steps.rows):
+            self._compact()
+        return done
+
+    def _compact(self) -> None:
+        live = [i for i, row in enumerate(self.slots) if row is not None]
+        moves = [(i, j) for j, i in enumerate(live) if i != j]
+        if moves:
+            src = torch.tensor([i for i, _ in moves], device=self.device)
+            dst = torch.tensor([j for _, j in moves], device=self.device)
+            self.steps.cache.move_rows(src, dst)
+        index = torch.tensor(live, dtype=torch.long, device=self.device)
+        self.token_R, self.pos_R, self.seed_R = (t.index_select(0, index) for t in (self.token_R, self.pos_R, self.seed_R))
+        self.slots = [self.slots[i] for i in live]
+
+    def step(self) -> list[Finished]:
+        """Refill, one decode step for every live row, retire. Returns the finished requests."""
+        done = self._fill()
+        if not self.num_live:
+            return done
+        max_pos = max(row["pos"] for row in self.slots if row is not None)
+        next_R = self.steps.decode(self.token_R, self.pos_R, self.seed_R, max_pos)
+        tokens = next_R.tolist()  # host sync: the step's one
+        self.token_R = next_R.clone()
+        self.pos_R = torch.where(self.pos_R >= 0, self.pos_R + 1, self.pos_R)
+        live = []
+        for i, (row, t) in enumerate(zip(self.slots, tokens)):
+            if row is not None:
+                row["out"].append(t)
+                row["pos"] += 1
+                live.append(i)
+        self.generated += len(live)
+        return done + self._retire(live)
+
+    def run(self) -> Iterable[Finished]:
+        """Step until every added request finished, yielding them as they finish."""
+        while self.busy:
+            yield from self.step()

@@ -1,0 +1,172 @@
+"""Speed of the decoding engine (`dflash-train bench --workload decode`).
+
+Owns the decoding benchmark: regeneration throughput (decode.SlotDecoder, rows refilled as they
+finish) at several row counts, and batch-1 milliseconds per token of target-only and
+speculative decoding (specdec.Decoder), each with CUDA graphs and eagerly, in one process, on a
+randomly initialised target of a real shape (SmolLM2-135M by default; `--target` takes a real
+folder) and a random drafter. A random drafter is rarely accepted, so the speculative figure
+that matters is the cost of one cycle (drafter block step + verify step + host work) in target
+decode steps: speedup = tau / that ratio. Capture time is measured and kept out of the rates.
+The last line is one JSON object.
+
+Shape legend: R rows, P prompt tokens, N new tokens per request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_ROWS = (1, 64, 256, 512)
+DEFAULT_PROMPT = (64, 512)  # prompt lengths drawn uniformly from this range
+DEFAULT_NEW_TOKENS = 128
+DEFAULT_DRAFTER_LAYERS = 5
+BLOCK_SIZE = 16
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_models(target: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(target model, drafter): `target` is a folder (or bundled name) or None for a random
+    SmolLM2-135M-shaped one; the drafter is random, 5 layers, block 16, in the target's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.bench import SMOLLM2_135M
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.target import load_target_model
+
+    torch.manual_seed(seed)
+    if target is None:
+        from transformers import AutoConfig
+
+        fields = dict(SMOLLM2_135M)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        model.requires_grad_(False)
+    else:
+        model, _ = load_target_model(target, device, dtype)
+    vocab = int(model.config.vocab_size)
+    cfg = build_drafter_config(model.config, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=BLOCK_SIZE,
+                               mask_token_id=vocab - 1)
+    drafter = DFlashDrafter(cfg).to(device, dtype).eval().requires_grad_(False)
+    return model, drafter
+
+
+def _prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab - 1, int(n)).tolist() for n in rng.integers(lengths[0], lengths[1] + 1, num)]
+
+
+def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt_lengths: tuple[int, int],
+                      requests: int, seed: int = 0) -> dict:
+    """Tokens/s of SlotDecoder with `rows` rows over `requests` requests (no stop tokens: every
+    request runs its whole budget), after one warm-up pass that captures the graphs."""
+    from dflash_train.decode import SlotDecoder
+
+    device = model.get_input_embeddings().weight.device
+    vocab = int(model.config.vocab_size)
+    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + new_tokens + 2, graphs=graphs)
+    with torch.inference_mode():
+        for i, p in enumerate(_prompts(min(rows, requests), prompt_lengths, vocab, seed + 1)):  # warm-up
+            slots.add(("warm", i), p, new_tokens, i)
+        for _ in slots.run():
+            pass
+        warm_capture = slots.steps.graphs.capture_seconds
+        for i, p in enumerate(_prompts(requests, prompt_lengths, vocab, seed)):
+            slots.add(i, p, new_tokens, i)
+        _sync(device)
+        before, started = slots.generated, time.perf_counter()
+        steps = 0
+        while slots.busy:
+            slots.step()
+            steps += 1
+        _sync(device)
+    capture = slots.steps.graphs.capture_seconds - warm_capture
+    seconds = time.perf_counter() - started - capture
+    tokens = slots.generated - before
+    return {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
+            "graphs_captured": slots.steps.graphs.num_captured}
+
+
+def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0) -> dict:
+    """Batch-1 ms per token of target-only and speculative decoding on one engine (graphs
+    captured first), and the cost of a speculative cycle in target decode steps."""
+    from dflash_train.specdec import Decoder, DFlashProposer
+
+    proposer = DFlashProposer.for_target(drafter, model, graphs=graphs)
+    engine = Decoder(model, proposer, graphs=graphs)
+    prompts = _prompts(turns, (prompt_len, prompt_len), int(model.config.vocab_size), seed)
+    engine.capture(rows=1, capacity=prompt_len + new_tokens + 2 * BLOCK_SIZE + 2)
+    base_s = base_n = spec_s = spec_n = cycles = 0
+    for p in prompts:
+        engine.generate([p[:8]], 4)  # keeps both paths warm between measurements
+        base = engine.generate([p], new_tokens)[0]
+        spec = engine.speculate([p], new_tokens)[0]
+        base_s, base_n = base_s + base.seconds, base_n + len(base.output_ids)
+        spec_s, spec_n = spec_s + spec.seconds, spec_n + len(spec.output_ids)
+        cycles += len(spec.acceptance_lengths)
+    engine.close()
+    step_ms, token_ms = 1e3 * base_s / base_n, 1e3 * spec_s / spec_n
+    cycle_ms = 1e3 * spec_s / max(cycles, 1)
+    return {"graphs": graphs, "target_ms_per_token": step_ms, "spec_ms_per_token": token_ms,
+            "spec_ms_per_cycle": cycle_ms, "cycle_in_target_steps": cycle_ms / step_ms,
+            "tau": (spec_n - len(prompts)) / max(cycles, 1), "capture_s": engine.capture_seconds,
+            "graphs_captured": engine.target.graphs.num_captured + proposer.graphs.num_captured}
+
+
+def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: str = "auto",
+                     rows: tuple[int, ...] = DEFAULT_ROWS, new_tokens: int = DEFAULT_NEW_TOKENS,
+                     prompt_lengths: tuple[int, int] = DEFAULT_PROMPT, requests_per_row: int = 2,
+                     eager_rows: tuple[int, ...] | None = None, turns: int = 3, log=print) -> dict:
+    """The whole benchmark; returns the report (the JSON object)."""
+    from dflash_train.target import resolve_device, resolve_dtype
+
+    dev = resolve_device(device, setting="--device")
+    torch_dtype = resolve_dtype(dtype, dev)
+    model, drafter = build_models(target, dev, torch_dtype)
+    modes = [True, False] if dev.type == "cuda" else [False]
+    eager_rows = tuple(rows) if eager_rows is None else tuple(eager_rows)
+    report = {"workload": "decode", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "dtype": str(torch_dtype).removeprefix("torch."), "target": target or "random SmolLM2-135M shape",
+              "new_tokens": new_tokens, "prompt_lengths": list(prompt_lengths), "regeneration": [], "batch_one": [],
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    for graphs in modes:
+        for r in rows:
+            if not graphs and r not in eager_rows:
+                continue
+            entry = regeneration_rate(model, r, graphs=graphs, new_tokens=new_tokens, prompt_lengths=prompt_lengths,
+                                      requests=max(2, requests_per_row * r))
+            report["regeneration"].append(entry)
+            log(f"bench decode: regeneration rows {r:>4} {'graphs' if graphs else 'eager '}: "
+                f"{entry['tokens_per_s']:>9,.0f} tokens/s, {entry['ms_per_step']:.2f} ms/step "
+                f"(capture {entry['capture_s']:.1f} s)")
+        entry = batch_one(model, drafter, graphs=graphs, new_tokens=new_tokens, prompt_len=prompt_lengths[1],
+                          turns=turns)
+        report["batch_one"].append(entry)
+        log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}: target {entry['target_ms_per_token']:.2f} "
+            f"ms/token, speculative cycle {entry['spec_ms_per_cycle']:.2f} ms = "
+            f"{entry['cycle_in_target_steps']:.2f} target steps (capture {entry['capture_s']:.1f} s)")
+    return report
+
+
+def run_cli(args) -> int:
+    """`dflash-train bench --workload decode`."""
+    rows = tuple(int(r) for r in str(args.rows).split(",")) if args.rows else DEFAULT_ROWS
+    eager = tuple(int(r) for r in str(args.eager_rows).split(",")) if args.eager_rows else None
+    report = run_decode_bench(target=args.target, device=args.device, rows=rows,
+                              new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, eager_rows=eager)
+    line = json.dumps(report)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(line + "\n")
+    print(line, flush=True)
+    return 0

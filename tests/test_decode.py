@@ -1,0 +1,228 @@
+"""The decoding engine (decode.py): token choice, buckets, the static cache, continuous
+batching against transformers' own greedy generation, and (on a CUDA machine only) captured
+CUDA graphs against eager runs of the same steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import tiny_drafter, tiny_target_config
+from dflash_train.decode import (SlotDecoder, StaticCache, TargetSteps, choose, pick, position_uniform, row_buckets,
+                                 width_buckets)
+from dflash_train.specdec import Decoder, DFlashProposer
+
+VOCAB = 128
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    torch.manual_seed(1)
+    return LlamaForCausalLM(tiny_target_config()).eval()
+
+
+def prompts(lengths, seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, new: int, stop: int | None = None) -> list[int]:
+    """transformers' greedy generate (an explicit mask: a prompt token equal to the pad id is
+    not padding)."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         pad_token_id=0, eos_token_id=stop, **({} if stop is not None else {"min_new_tokens": new}))
+    return out[0, len(prompt):].tolist()
+
+
+# --------------------------------------------------------------------------- token choice
+
+
+def test_position_uniform_depends_on_seed_and_position_only():
+    seeds, pos = torch.tensor([3, 3, 4, 2**40 + 3]), torch.arange(12).reshape(4, 3) + 5
+    u = position_uniform(seeds, pos)
+    assert u.dtype == torch.float32 and bool((u > 0).all() and (u < 1).all())
+    for r in range(4):  # a row alone draws what it draws beside others
+        assert torch.equal(position_uniform(seeds[r : r + 1], pos[r : r + 1]), u[r : r + 1])
+    same = position_uniform(torch.tensor([3]), torch.tensor([[5, 6, 7]]))
+    assert torch.equal(same, u[:1])
+    assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[3])  # other seeds, other numbers
+    many = position_uniform(torch.tensor([7]), torch.arange(20000)[None])[0]
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.003
+
+
+def test_choose_greedy_sampling_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])[None, None].repeat(1, 6000, 1)
+    pos, seed = torch.arange(6000)[None], torch.tensor([11])
+    assert torch.equal(choose(logits, pos, seed), torch.zeros(1, 6000, dtype=torch.long))
+    T = 1.3
+    freq = torch.bincount(choose(logits, pos, seed, T)[0], minlength=5).float() / 6000
+    assert torch.allclose(freq, torch.softmax(logits[0, 0] / T, -1), atol=0.03)
+    # At T=1 the two most likely tokens hold 0.877 and three hold 0.964 of the mass: top-p 0.8
+    # samples among two, top-p 0.9 among three, each renormalised.
+    probs = torch.softmax(logits[0, 0], -1)
+    for top_p, kept in ((0.8, 2), (0.9, 3)):
+        freq = torch.bincount(choose(logits, pos, seed, 1.0, top_p=top_p)[0], minlength=5).float() / 6000
+        assert freq[kept:].sum() == 0
+        assert torch.allclose(freq[:kept], probs[:kept] / probs[:kept].sum(), atol=0.03)
+    assert torch.equal(choose(logits, pos, seed, 1.0, top_p=1e-6)[0], torch.zeros(6000, dtype=torch.long))
+
+
+def test_buckets():
+    assert row_buckets(1) == [1] and row_buckets(6) == [1, 2, 4, 6] and row_buckets(8) == [1, 2, 4, 8]
+    widths = width_buckets(1000)
+    assert widths[0] == 64 and widths[-1] == 999 and widths == sorted(set(widths))
+    assert all(b / a <= 1.5 for a, b in zip(widths, widths[1:-1]))
+    assert pick(65, widths) == 96 and pick(64, widths) == 64
+    with pytest.raises(ValueError):
+        pick(1000, widths)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def test_static_cache_writes_columns_of_the_chosen_rows():
+    cache = StaticCache(rows=3, capacity=9)
+    k = torch.arange(2 * 2 * 4 * 1, dtype=torch.float32).reshape(2, 2, 4, 1) + 1
+    cache.bind(torch.tensor([[0, 1, 2, 8], [3, 4, 8, 8]]), 5, row_index=torch.tensor([2, 0]))
+    keys, _ = cache.update(k, -k, 0)
+    assert keys.shape == (2, 2, 5, 1)
+    assert torch.equal(cache.keys[0][2, :, :3], k[0, :, :3]) and torch.equal(cache.keys[0][0, :, 3:5], k[1, :, :2])
+    assert cache.keys[0][1].abs().sum() == 0  # slot 1 untouched
+    cache.bind(torch.tensor([[5], [6]]), 7)  # rows 0..1, one new column each
+    keys, values = cache.update(k[:, :, :1] * 10, k[:, :, :1], 0)
+    assert torch.equal(keys[0, :, 5], k[0, :, 0] * 10) and torch.equal(values[1, :, 6], k[1, :, 0])
+    cache.move_rows(torch.tensor([2]), torch.tensor([1]))
+    assert torch.equal(cache.keys[0][1], cache.keys[0][2])
+    with pytest.raises(ValueError, match="capacity"):
+        cache.bind(torch.tensor([[0]]), 9)
+
+
+# --------------------------------------------------------------------------- continuous batching
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows):
+    """More requests than rows, of different lengths and budgets, one ending on a stop token:
+    every request gets transformers' own greedy output, whatever the row count (refills at
+    different moments, rows compacted at the tail)."""
+    ps = prompts([1, 9, 30, 4, 17, 2, 12], seed=rows)
+    budgets = [12, 5, 9, 14, 3, 10, 7]
+    refs = [hf_greedy(tiny_target, p, n) for p, n in zip(ps, budgets)]
+    stop = refs[3][6]  # ends request 3 (and any other that meets it) early
+    refs = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
+    slots = SlotDecoder.for_model(tiny_target, rows, 64, stop_ids=[stop], refill=2)
+    for i, (p, n) in enumerate(zip(ps, budgets)):
+        slots.add(i, p, n, seed=i)
+    done = {f.key: f for f in slots.run()}
+    assert [done[i].output_ids for i in range(len(ps))] == refs
+    assert [done[i].stopped for i in range(len(ps))] == [stop in r for r in refs]
+    assert slots.generated == sum(len(r) for r in refs) and not slots.busy
+
+
+def test_slot_decoder_sampling_is_seeded_and_independent_of_rows(tiny_target):
+    ps = prompts([3, 11, 6, 20, 8], seed=5)
+    runs = []
+    for rows in (1, 2, 5):
+        slots = SlotDecoder.for_model(tiny_target, rows, 64, temperature=0.9, top_p=0.95)
+        for i, p in enumerate(ps):
+            slots.add(i, p, 10, seed=100 + i)
+        runs.append({f.key: f.output_ids for f in slots.run()})
+    assert runs[0] == runs[1] == runs[2]
+    greedy = Decoder(tiny_target).generate(ps, 10)
+    assert [runs[0][i] for i in range(5)] != [g.output_ids for g in greedy]
+
+
+def test_slot_decoder_refuses_requests_it_cannot_hold(tiny_target):
+    slots = SlotDecoder.for_model(tiny_target, 2, 16)
+    with pytest.raises(ValueError, match="exceed the cache"):
+        slots.add("x", [1] * 10, 6)
+    with pytest.raises(ValueError, match="empty prompt"):
+        slots.add("y", [], 3)
+
+
+def test_decoder_grows_its_caches_and_keeps_results(tiny_target):
+    engine = Decoder(tiny_target, DFlashProposer.for_target(tiny_drafter(block_size=4), tiny_target), capacity=16)
+    short = engine.speculate(prompts([5]), 4)[0]
+    long = engine.speculate(prompts([40]), 20)[0]  # needs more than 16 positions: caches rebuilt
+    assert engine.target.capacity >= 40 + 20
+    assert long.output_ids == hf_greedy(tiny_target, prompts([40])[0], 20)
+    assert engine.speculate(prompts([5]), 4)[0].output_ids == short.output_ids
+
+
+# --------------------------------------------------------------------------- CUDA graphs (GPU only)
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    torch.manual_seed(1)
+    return LlamaForCausalLM(tiny_target_config()).to("cuda").eval()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_steps_equal_eager_steps(cuda_target, dtype):
+    """The same decode and verify steps, captured and eager, on identical caches: identical
+    tokens, acceptance counts and features (the graph replays the eager kernels)."""
+    from dflash_train.target import LayerTaps
+
+    model = copy.deepcopy(cuda_target).to(dtype)
+    with torch.inference_mode(), LayerTaps(model, [1, 3]) as taps:
+        outs = []
+        for graphs in (True, False):
+            steps = TargetSteps(model, 4, 96, taps=taps, graphs=graphs)
+            ps = [torch.tensor(p) for p in prompts([5, 17, 9], seed=7)]
+            seeds = torch.arange(3, device="cuda")
+            first, feats = steps.prefill(torch.arange(3, device="cuda"), ps, seeds)
+            pos = torch.tensor([5, 17, 9], device="cuda")
+            tokens = [first]
+            for _ in range(6):
+                tokens.append(steps.decode(tokens[-1], pos, seeds, int(pos.max())).clone())
+                pos = pos + 1
+            block = torch.stack([tokens[-1]] + tokens[1:4], dim=1)
+            chosen, acc, f = steps.verify(block, pos[:, None] + torch.arange(4, device="cuda"), seeds, int(pos.max()) + 3)
+            outs.append((torch.stack(tokens), chosen.clone(), acc.clone(), f.clone(), feats))
+            assert steps.graphs.num_captured == (2 if graphs else 0)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_captured_decoding_is_lossless_in_float32(cuda_target):
+    """Graphs on the GPU in float32: target-only output == transformers' greedy generate, and
+    speculative output == target-only output, for rows of different lengths; again equal to
+    the eager engine's."""
+    model = cuda_target
+    ps = prompts([1, 6, 29, 13], seed=3)
+    refs = [hf_greedy(model, p, 20) for p in ps]
+    for graphs in (True, False):
+        drafter = tiny_drafter(num_layers=2, block_size=4, num_taps=3).cuda()
+        engine = Decoder(model, DFlashProposer.for_target(drafter, model, graphs=graphs), graphs=graphs)
+        engine.capture(rows=1, capacity=64)
+        assert [engine.generate([p], 20)[0].output_ids for p in ps] == refs
+        assert [g.output_ids for g in engine.generate(ps, 20)] == refs
+        assert [engine.speculate([p], 20)[0].output_ids for p in ps] == refs
+        assert [g.output_ids for g in engine.speculate(ps, 20)] == refs
+        assert (engine.capture_seconds > 0) == graphs
+        engine.close()
+
+
+@gpu
+def test_captured_slot_decoder_equals_eager(cuda_target):
+    model = cuda_target
+    ps = prompts([3, 40, 7, 22, 15, 9, 31], seed=9)
+    runs = []
+    for graphs in (True, False):
+        slots = SlotDecoder.for_model(model, 4, 128, graphs=graphs, refill=1)
+        for i, p in enumerate(ps):
+            slots.add(i, p, 12 + i, seed=i)
+        runs.append({f.key: f.output_ids for f in slots.run()})
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in range(len(ps))] == [hf_greedy(model, p, 12 + i) for i, p in enumerate(ps)]
