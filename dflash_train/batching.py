@@ -2,11 +2,13 @@
 
 Owns how an epoch of samples (data.py's `length` column) becomes padded batches: bucket
 boundaries (given, or from length quantiles), a token budget and a row cap per batch, the
-deterministic shuffle from (seed, epoch), the assignment of batch i to producer
-i % num_producers, and `BatchCursor`, whose state_dict() resumes mid-epoch exactly.
+deterministic shuffle from (seed, epoch), and `BatchStream`, the endless stream of batches a run
+consumes by global index, so that resuming mid-epoch means continuing from an integer. Which
+rank makes and which trains batch g is dist.Assignment's.
 
 Every batch is padded to its bucket's boundary, so the target sees at most one shape per
-bucket (`BatchPlan.shapes`) and can warm each up before training (REFERENCE.md 5).
+bucket (`BatchPlan.shapes`) and can warm each up before training: a shape first seen late in
+a run would compile (and could run out of memory) there.
 
 Shape suffixes: B rows of a batch, L padded length (the bucket boundary).
 """
@@ -14,18 +16,17 @@ Shape suffixes: B rows of a batch, L padded length (the bucket boundary).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-DEFAULT_TOKEN_BUDGET = 16384  # padded tokens per batch
-DEFAULT_MAX_BATCH_SIZE = 64
-DEFAULT_NUM_BUCKETS = 8
-DEFAULT_PAD_MULTIPLE = 64  # derived boundaries are rounded up to this (kernel-friendly shapes)
+from dflash_train.config import DataSection
+
+PAD_MULTIPLE = 64  # derived boundaries are rounded up to this (kernel-friendly shapes)
 
 
-def quantile_boundaries(lengths: Sequence[int], num_buckets: int = DEFAULT_NUM_BUCKETS,
-                        multiple: int = DEFAULT_PAD_MULTIPLE) -> list[int]:
+def quantile_boundaries(lengths: Sequence[int], num_buckets: int = DataSection.num_buckets,
+                        multiple: int = PAD_MULTIPLE) -> list[int]:
     """Bucket upper bounds at the length quantiles 1/n .. n/n, rounded up to `multiple` and
     deduplicated; the last one covers the longest sample."""
     if len(lengths) == 0:
@@ -76,9 +77,9 @@ class BatchPlan:
     min(max_batch_size, token_budget // L) rows, so rows * L <= token_budget. The last batch of
     a bucket may have fewer rows. Batch order is a pure function of (seed, epoch)."""
 
-    def __init__(self, lengths: Sequence[int], token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, boundaries: Sequence[int] | None = None,
-                 num_buckets: int = DEFAULT_NUM_BUCKETS, pad_multiple: int = DEFAULT_PAD_MULTIPLE,
+    def __init__(self, lengths: Sequence[int], token_budget: int = DataSection.token_budget,
+                 max_batch_size: int = DataSection.max_batch_size, boundaries: Sequence[int] | None = None,
+                 num_buckets: int = DataSection.num_buckets, pad_multiple: int = PAD_MULTIPLE,
                  seed: int = 0):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.size == 0:
@@ -139,9 +140,6 @@ class BatchPlan:
         padded = sum(len(b) * self.length_of(b) for b in self.epoch(0))
         return float(self.lengths.sum()) / padded
 
-    def shard(self, producer: int, num_producers: int) -> list[int]:
-        """Indices (in every epoch) of the batches that `producer` makes: i % num_producers == producer."""
-        return list(range(producer, self.num_batches, num_producers))
 
 
 def collate(dataset, indices: np.ndarray, length: int, pad_id: int):
@@ -192,62 +190,3 @@ class BatchStream:
             raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
                              "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
         return int(state["next_index"])
-
-
-class BatchCursor:
-    """This producer's batches, epoch after epoch, without end. `position` counts the batch
-    indices of the current epoch already passed; state_dict()/load_state_dict() carry it, so
-    a resumed cursor yields exactly the batches an uninterrupted one would."""
-
-    def __init__(self, dataset, plan: BatchPlan, producer: int = 0, num_producers: int = 1,
-                 pad_id: int = 0):
-        if not 0 <= producer < num_producers:
-            raise ValueError(f"producer={producer} must be in [0, num_producers={num_producers})")
-        if len(dataset) != len(plan.lengths):
-            raise ValueError(f"the plan covers {len(plan.lengths)} samples but the dataset has {len(dataset)}; "
-                             "build the plan from this dataset's `length` column")
-        if plan.num_batches <= producer:
-            raise ValueError(f"producer {producer} would get no batch: an epoch has only {plan.num_batches} "
-                             f"batch(es) for {num_producers} producers; use fewer producers or a smaller "
-                             "token_budget / max_batch_size")
-        self.dataset, self.plan = dataset, plan
-        self.producer, self.num_producers, self.pad_id = producer, num_producers, pad_id
-        self.epoch, self.position = 0, 0
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.plan.shard(self.producer, self.num_producers))
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        index = self._next_index()
-        while index >= self.plan.num_batches:
-            self.epoch, self.position = self.epoch + 1, 0
-            index = self._next_index()
-        indices = self.plan.epoch(self.epoch)[index]
-        input_ids, loss_mask, lengths = collate(self.dataset, indices, self.plan.length_of(indices), self.pad_id)
-        self.position = index + 1
-        return Batch(input_ids, loss_mask, lengths, [int(i) for i in indices], index, self.epoch)
-
-    def _next_index(self) -> int:
-        # The first batch index at or after `position` that belongs to this producer.
-        return self.position + (self.producer - self.position) % self.num_producers
-
-    def _identity(self) -> dict[str, Any]:
-        plan = self.plan
-        return {"seed": plan.seed, "num_producers": self.num_producers, "producer": self.producer,
-                "num_samples": int(plan.lengths.size), "boundaries": list(plan.boundaries),
-                "token_budget": plan.token_budget, "max_batch_size": plan.max_batch_size}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, **self._identity()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = self._identity()
-        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v]
-        if differ:
-            raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
-                             "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -2,7 +2,7 @@
 
 Owns the benchmark workloads (target and drafter shapes, sample lengths, anchors), the
 synthetic data and the random-initialised target of a real shape they run on, the timing
-protocol (warm-up, then timed steps of `Trainer.train_step`, the same step `train` runs), the
+protocol (warm-up, then timed steps of the run's `DrafterStep`, the step `train` takes), the
 GPU idle share measured with torch.profiler, the runs under torchrun, and the report whose last
 line is one JSON object. The useful-FLOP count behind MFU is flops.py's. docs/PERFORMANCE.md
 explains what is counted.
@@ -142,8 +142,8 @@ def target_config(workload: Workload):
     return AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
 
 
-def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int, compile: bool = False):
-    """`build_target` for the Trainer: a randomly initialised causal LM of `config`'s shape,
+def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: int):
+    """`build_target` for train.build: a randomly initialised causal LM of `config`'s shape,
     built directly on `device` in `dtype` (an 8B model in seconds; no weights on disk)."""
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +153,7 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: 
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return Target(model, layer_ids, need_logits, compile)
+        return Target(model, layer_ids, need_logits)
 
     return build
 
@@ -199,19 +199,22 @@ def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float])
     return busy
 
 
-def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> float:
+def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
     """Share of wall time the GPU runs no kernel and no copy over `steps` steps (from the first
     launch of the window to the end of its last kernel), measured with torch.profiler; with
     `summary_path`, also writes the kernels ranked by total device time there."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize(trainer.device)
+    from dflash_train.train import take_step
+
+    device = run.dist.device
+    torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("bench_window"):
             for _ in range(steps):
-                run_step(trainer, counter)
-            torch.cuda.synchronize(trainer.device)
+                take_step(run, counter.watch)
+            torch.cuda.synchronize(device)
     events = prof.events()
     # Kernels and copies only: ranges of record_function (and the optimizer's own annotation)
     # also appear on the device timeline, spanning idle gaps, and must not count as busy.
@@ -238,27 +241,20 @@ def profile_steps(trainer, counter, steps: int, summary_path: Path | None) -> fl
 # --------------------------------------------------------------------------- the run
 
 
-def run_step(trainer, counter: WorkCounter):
-    """One optimizer step exactly as `Trainer.run` takes it: `train_step` on this step's
-    `micro_batches()`, which the counter watches."""
-    result = trainer.train_step(counter.watch(trainer.micro_batches()))
-    trainer.step += 1
-    return result
-
-
-def warm_up_steps(trainer, counter, step, num_warmup: int, log) -> None:
+def warm_up_steps(run, counter, step, num_warmup: int, log) -> None:
     """Run `num_warmup` untimed steps (compilation, allocator), then clear what the timed steps
     measure: stage timers, metric sums, the work count and the peak-memory mark."""
+    device = run.dist.device
     started = time.perf_counter()
     for _ in range(num_warmup):
         step()
-    _sync(trainer.device)
+    _sync(device)
     log(f"{num_warmup} warm-up steps in {time.perf_counter() - started:.1f} s")
-    trainer.timer.flush()
-    trainer.acc.reset()
+    run.timer.flush()
+    run.step.acc.reset()
     counter.reset()
-    if trainer.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(trainer.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _compiled_graphs() -> int:
@@ -272,13 +268,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_trainer(workload: str, overrides: list[str], drafter_only: bool = False, log=print):
-    """The workload's `Trainer`: its settings plus `overrides`, synthetic data, and a random
-    target of the workload's shape (or random features with `drafter_only`); returns it and
-    the target's transformers config."""
-    from dflash_train.target import resolve_device, resolve_dtype
-    from dflash_train.train import Trainer
-
+def workload_config(workload: str, overrides: list[str], drafter_only: bool = False):
+    """The workload's settings plus `overrides`, checked for what a synthetic run needs."""
     if workload not in WORKLOADS:
         raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
     wl = WORKLOADS[workload]
@@ -289,19 +280,32 @@ def build_trainer(workload: str, overrides: list[str], drafter_only: bool = Fals
     if cfg.drafter.mask_token_id is None:
         raise ConfigError(["drafter.mask_token_id: synthetic data has no tokenizer to choose a mask token "
                            f"from; set it (below the target's vocabulary of {wl.target['vocab_size']})"])
+    return cfg
+
+
+def build_run(workload: str, overrides: list[str], drafter_only: bool = False, log=print, dist=None):
+    """The workload's run (train.build, checkpoints off): its settings plus `overrides`,
+    synthetic data, and a random target of the workload's shape (or random features with
+    `drafter_only`); returns it and the target's transformers config. `dist`: this rank's
+    dist.Dist when the caller made it already."""
+    from dflash_train.target import resolve_device, resolve_dtype
+    from dflash_train.train import build
+
+    cfg = workload_config(workload, overrides, drafter_only)
+    wl = WORKLOADS[workload]
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
     config = target_config(wl)
     seed = cfg.train.seed
     if drafter_only:
-        build = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
+        target = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
-        build = build_random_target(config, device, dtype, seed, cfg.target.compile)
-    # Built inside Trainer, after the rank's device is current: a bare "cuda" means that device.
+        target = build_random_target(config, device, dtype, seed)
+    # Built inside build(), after the rank's device is current: a bare "cuda" means that device.
     heads = lambda: RandomFeatureTarget(config, [], device, dtype, seed)  # noqa: E731 (disaggregated drafter ranks)
-    trainer = Trainer(cfg, log=log, target_config=config, build_target=build, build_heads=heads,
-                      dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed))
-    return trainer, config
+    run = build(cfg, log=log, target_config=config, build_target=target, build_heads=heads,
+                dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed), checkpointing=False, dist=dist)
+    return run, config
 
 
 def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
@@ -320,39 +324,41 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
         if drafter_only:
             raise ConfigError(["--drafter-only runs in one process: drop it or launch without torchrun"])
         return run_bench_distributed(workload, steps, warmup, overrides, peak_tflops, log)
+    from dflash_train.train import take_step, warm_up
+
     started = time.perf_counter()
-    trainer, config = build_trainer(workload, overrides, drafter_only, log)
-    cfg, device = trainer.cfg, trainer.device
-    counter = WorkCounter(trainer.drafter)
+    run, config = build_run(workload, overrides, drafter_only, log)
+    cfg, device = run.cfg, run.dist.device
+    counter = WorkCounter(run.step.drafter)
     log(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {device}")
     if not drafter_only:
-        trainer.warm_up()
-    num_warmup = warmup if warmup is not None else (wl.warmup if wl.warmup is not None else trainer.plan.num_batches)
+        warm_up(run)
+    num_warmup = warmup if warmup is not None else (wl.warmup if wl.warmup is not None else run.plan.num_batches)
     num_steps = steps or wl.steps
-    warm_up_steps(trainer, counter, lambda: run_step(trainer, counter), num_warmup,
+    warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup,
                   lambda text: log(f"bench {workload}: {text}"))
     graphs_before = _compiled_graphs()
     applied = 0
     started = time.perf_counter()
     for _ in range(num_steps):
-        applied += run_step(trainer, counter).applied
+        applied += take_step(run, counter.watch).applied
     _sync(device)
     wall = time.perf_counter() - started
     compiles = _compiled_graphs() - graphs_before
-    stage_total = trainer.timer.flush()
-    loss_rows = int(trainer.acc.count_K.sum())  # host sync: after timing
-    trainer.acc.reset()
+    stage_total = run.timer.flush()
+    loss_rows = int(run.step.acc.count_K.sum())  # host sync: after timing
+    run.step.acc.reset()
     work = counter.count(cfg.objective.num_anchors, loss_rows)
     peak_memory = peak_memory_gib(device)
     counter.handle.remove()
 
     idle = None
     if device.type == "cuda" and profile > 0:
-        counter = WorkCounter(trainer.drafter)
-        idle = profile_steps(trainer, counter, profile, profile_summary)
+        counter = WorkCounter(run.step.drafter)
+        idle = profile_steps(run, counter, profile, profile_summary)
         counter.handle.remove()
 
-    d = trainer.drafter
+    d = run.step.drafter
     tc = config
     target_layers = tc.num_hidden_layers if cfg.objective.labels == "target" else max(d.target_layer_ids) + 1
     flops = useful_flops(work, Shape.of(tc), target_layers, cfg.objective.labels == "target", Shape.of(d.config),
@@ -404,58 +410,59 @@ def world_size() -> int:
 def run_bench_distributed(workload: str, steps: int | None, warmup: int | None, overrides: list[str],
                           peak_tflops: float | None, log=print) -> dict | None:
     """One rank of a bench under torchrun (topology.mode colocated or disaggregated): every rank
-    builds the workload's Trainer, the run is cut to warm-up + timed steps with checkpoints off,
-    drafter ranks (colocated: every rank) take `Trainer.train_step` and the per-step stop
-    agreement as `Trainer.run` does, target ranks run `Trainer.run_target`. Each rank measures
-    its own side; global rank 0 gathers them (control group) and returns the report, the other
-    ranks None."""
+    builds the workload's run, of warm-up + timed steps (train.max_steps) with checkpoints off;
+    drafter ranks (colocated: every rank) take each step and its stop agreement as
+    train.train_drafter does, target ranks run train.train_target. Each rank measures its own
+    side; global rank 0 gathers them (control group) and returns the report, the other ranks
+    None."""
     import torch.distributed as tdist
+
+    from dflash_train.dist import Dist
+    from dflash_train.train import batch_plan
 
     say = log if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     wl = WORKLOADS[workload]
     started = time.perf_counter()
-    trainer, config = build_trainer(workload, overrides, False, log)
-    d = trainer.dist
-    say(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {d.world_size} ranks "
-        f"({len(d.target_ranks)} target, {len(d.drafter_ranks)} drafter; {trainer.cfg.topology.mode})")
-    trainer.checkpointing = False  # no resume from output_dir, no checkpoint, no export
-    if warmup is None:
-        warmup = wl.warmup if wl.warmup is not None else math.ceil(trainer.plan.num_batches / trainer.assign.micro_per_step)
+    cfg = workload_config(workload, overrides)
+    d = Dist.from_env(cfg.topology, cfg.train.device)
+    if warmup is None:  # one epoch: every bucket shape seen on every rank
+        lengths = synthetic_dataset(wl, cfg.drafter.mask_token_id, cfg.train.seed)["length"]
+        M = d.assignment(cfg.train.grad_accum).micro_per_step
+        warmup = wl.warmup if wl.warmup is not None else math.ceil(batch_plan(cfg, lengths).num_batches / M)
     num_steps = steps or wl.steps
-    trainer.total_steps = warmup + num_steps  # target ranks stop producing after the timed steps
-    if d.is_drafter:
-        own = _drafter_side(trainer, config, warmup, num_steps, say)
+    # The run ends after the timed steps: target ranks stop producing there.
+    run, config = build_run(workload, [*overrides, f"train.max_steps={warmup + num_steps}"], log=log, dist=d)
+    say(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {d.world_size} ranks "
+        f"({len(d.target_ranks)} target, {len(d.drafter_ranks)} drafter; {cfg.topology.mode})")
+    if run.step is not None:
+        own = _drafter_side(run, config, warmup, num_steps, say)
     else:
-        own = _target_side(trainer, warmup, num_steps)
-    own.update(rank=d.rank, role=d.role, peak_memory_gib=peak_memory_gib(trainer.device))
+        own = _target_side(run, warmup, num_steps)
+    own.update(rank=d.rank, role=d.role, peak_memory_gib=peak_memory_gib(d.device))
     gathered = [None] * d.world_size if d.rank == 0 else None
     tdist.gather_object(own, gathered, dst=0, group=d.control)
-    device = trainer.device
     d.close()
     if d.rank != 0:
         return None
-    return _combine(workload, trainer, gathered, warmup, num_steps, overrides, peak_flops(device, peak_tflops))
+    return _combine(workload, run, gathered, warmup, num_steps, overrides, peak_flops(d.device, peak_tflops))
 
 
-def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict:
-    """A drafter (or colocated) rank: warm-up steps, then timed steps of `train_step` on
-    `micro_batches()` (made here, or received) followed by the stop agreement, as in
-    `Trainer.run`; its stage times, receive wait, bytes received and useful FLOPs."""
-    from dflash_train.checkpoint import StopFlag
+def _drafter_side(run, config, num_warmup: int, num_steps: int, say) -> dict:
+    """A drafter (or colocated) rank: warm-up steps, then timed steps (micro-batches made here,
+    or received) each followed by the stop agreement, as in train.train_drafter; its stage
+    times, receive wait, bytes received and useful FLOPs."""
+    from dflash_train.train import drain, take_step, warm_up
 
-    cfg, device = trainer.cfg, trainer.device
-    counter = WorkCounter(trainer.drafter)
-    stop = StopFlag()  # not installed: a bench takes no signals, so nobody asks to stop
+    cfg, device, receiver = run.cfg, run.dist.device, run.receiver
+    counter = WorkCounter(run.step.drafter)
 
     def step() -> bool:
-        result = trainer.train_step(counter.watch(trainer.micro_batches()))
-        trainer.step += 1
-        trainer.agree_stop(stop, False, False, False)
+        result = take_step(run, counter.watch)
+        run.control.agree(run.steps_done, result)  # no signal handler, no time limit: nobody stops
         return result.applied
 
-    trainer.warm_up()
-    warm_up_steps(trainer, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
-    receiver = getattr(trainer, "receiver", None)
+    warm_up(run)
+    warm_up_steps(run, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
     recv_wait = receiver.wait_s if receiver is not None else 0.0
     graphs_before = _compiled_graphs()
     applied = 0
@@ -465,12 +472,12 @@ def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict
     _sync(device)
     wall = time.perf_counter() - started
     compiles = _compiled_graphs() - graphs_before
-    stage_total = trainer.timer.flush()
-    trainer.drain()
-    loss_rows = int(trainer.acc.count_K.sum())  # host sync: after timing
+    stage_total = run.timer.flush()
+    drain(run)
+    loss_rows = int(run.step.acc.count_K.sum())  # host sync: after timing
     work = counter.count(cfg.objective.num_anchors, loss_rows)
     counter.handle.remove()
-    dr = trainer.drafter
+    dr = run.step.drafter
     target_layers = config.num_hidden_layers if cfg.objective.labels == "target" else max(dr.target_layer_ids) + 1
     # The target forward is counted from the samples this rank trained on, wherever it ran.
     flops = useful_flops(work, Shape.of(config), target_layers, cfg.objective.labels == "target", Shape.of(dr.config),
@@ -485,27 +492,29 @@ def _drafter_side(trainer, config, num_warmup: int, num_steps: int, say) -> dict
     }
 
 
-def _target_side(trainer, num_warmup: int, num_steps: int) -> dict:
-    """A target rank of a disaggregated run: `Trainer.run_target` over warm-up + timed steps;
-    its stage times and send wait over the steps after the warm-up ones (it may run up to
-    `lag` steps ahead of the drafters, so its window is its own)."""
+def _target_side(run, num_warmup: int, num_steps: int) -> dict:
+    """A target rank of a disaggregated run: train.train_target over warm-up + timed steps; its
+    stage times and send wait over the steps after the warm-up ones (it may run up to `lag`
+    steps ahead of the drafters, so its window is its own)."""
+    from dflash_train.train import train_target
+
     window = {"send_wait": 0.0, "started": time.perf_counter()}
 
     def on_step(step: int) -> None:
         if step == num_warmup:
-            trainer.timer.flush()
-            window.update(send_wait=trainer.sender.wait_s, started=time.perf_counter())
+            run.timer.flush()
+            window.update(send_wait=run.sender.wait_s, started=time.perf_counter())
 
-    trainer.run_target(on_step)
+    train_target(run, on_step)
     return {"wall_s": time.perf_counter() - window["started"],
-            "stage_s": {k: v / num_steps for k, v in trainer.timer.flush().items()},
-            "send_wait_s_per_step": (trainer.sender.wait_s - window["send_wait"]) / num_steps}
+            "stage_s": {k: v / num_steps for k, v in run.timer.flush().items()},
+            "send_wait_s_per_step": (run.sender.wait_s - window["send_wait"]) / num_steps}
 
 
-def _combine(workload: str, trainer, ranks: list[dict], num_warmup: int, num_steps: int, overrides: list[str],
+def _combine(workload: str, run, ranks: list[dict], num_warmup: int, num_steps: int, overrides: list[str],
              peak: float | None) -> dict:
     """The report of a torchrun bench from every rank's own figures (in rank order)."""
-    d = trainer.dist
+    d = run.dist
     drafters = [r for r in ranks if r["role"] != "target"]
     targets = [r for r in ranks if r["role"] == "target"]
     wall = max(r["wall_s"] for r in drafters)
@@ -519,7 +528,7 @@ def _combine(workload: str, trainer, ranks: list[dict], num_warmup: int, num_ste
         "workload": workload,
         "drafter_only": False,
         "world_size": d.world_size,
-        "mode": trainer.cfg.topology.mode,
+        "mode": run.cfg.topology.mode,
         "num_target_ranks": len(d.target_ranks),
         "num_drafter_ranks": len(d.drafter_ranks),
         "samples_per_s": samples / wall,
@@ -549,7 +558,7 @@ def _combine(workload: str, trainer, ranks: list[dict], num_warmup: int, num_ste
         "warmup_steps": num_warmup,
         "skipped_steps": num_steps - min(r["applied"] for r in drafters),
         "compiles_during_timing": max(r["compiles"] for r in drafters),
-        "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu",
         "torch_version": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "overrides": overrides,

@@ -44,8 +44,9 @@ def add_train_commands(commands) -> None:
 def run_train(args) -> int:
     from dflash_train.checkpoint import CheckpointError
     from dflash_train.config import ConfigError, load_config
+    from dflash_train.control import TrainingStopped
     from dflash_train.dist import PeerFailure
-    from dflash_train.train import TrainingStopped, train
+    from dflash_train.train import train
 
     overrides = list(args.overrides)
     if args.output_dir:

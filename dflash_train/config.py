@@ -22,6 +22,7 @@ BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
 TINY_TARGET = "bundled:tiny-random-llama"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
 
 
 @dataclass
@@ -43,7 +44,8 @@ class DrafterSection:
     block_size: int = 16
     """Tokens per block: the anchor plus block_size - 1 proposals."""
     target_layer_ids: list[int] | None = None
-    """0-based target layers to tap; default: spread rule of REFERENCE.md over num_taps."""
+    """0-based target layers to tap; default: the published rule spreading num_taps over the
+    target's layers (drafter.default_target_layer_ids)."""
     num_taps: int | None = None
     """Number of tapped target layers when target_layer_ids is unset (default: num_layers)."""
     mask_token_id: int | None = None
@@ -132,8 +134,9 @@ class TrainSection:
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     max_consecutive_batch_failures: int = 5
-    """Stop the run after the target forward failed on this many micro-batches in a row (each
-    failure, e.g. out of memory on an unusual shape, is logged and its micro-batch skipped)."""
+    """Stop the run after the target forward failed on this many micro-batches in a row, in the
+    run's global micro-batch order whatever the topology (each failure, e.g. out of memory on an
+    unusual shape, is logged and its micro-batch skipped)."""
     num_threads: int | None = None
     """CPU intra-op threads (default: torch's choice)."""
 
@@ -530,10 +533,10 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"faults.{name} must hold optimizer steps >= 1, got {value}")
     if cfg.faults.delay_seconds < 0:
         p.append(f"faults.delay_seconds must be >= 0, got {cfg.faults.delay_seconds}")
-    if cfg.objective.gamma is None and cfg.drafter.block_size not in (8, 10, 16):
+    if cfg.objective.gamma is None and cfg.drafter.block_size not in DEFAULT_GAMMA:
         p.append(
             f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "
-            f"(defaults exist for 8, 10, 16): set objective.gamma"
+            f"(defaults exist for {', '.join(map(str, sorted(DEFAULT_GAMMA)))}): set objective.gamma"
         )
     return p
 

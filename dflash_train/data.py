@@ -29,9 +29,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from dflash_train import assets
+from dflash_train.config import DataSection
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
-DEFAULT_MAX_LENGTH = 3072  # paper, REFERENCE.md 3
+DEFAULT_MAX_LENGTH = DataSection.max_length  # the config's data.max_length (the paper's)
 OVERLONG_CHOICES = ("truncate", "drop")
 PREPARE_CHUNK = 512  # records tokenized per call
 

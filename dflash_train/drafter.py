@@ -1,4 +1,4 @@
-"""The DFlash drafter: model, configuration, layer taps, mask token, feature noise, HF format.
+"""The DFlash drafter: model, configuration, layer taps, mask token, HF format.
 
 Owns the drafter exactly as served (vLLM, SGLang, transformers with the published modeling
 code): a stack of Qwen3-style pre-norm layers whose keys/values are [context ; block], a fused
@@ -300,26 +300,6 @@ def _dflash_field(config, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-# --------------------------------------------------------------------------- feature noise
-
-
-def add_feature_noise(
-    features: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Training-only regulariser on captured target features: U[-std, std] ("uniform") or
-    N(0, std^2) ("gaussian"); "none" or std == 0 returns the input unchanged."""
-    if kind == "none" or std == 0:
-        return features
-    if kind == "uniform":
-        noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
-        noise = (noise * 2.0 - 1.0) * std
-    elif kind == "gaussian":
-        noise = torch.randn(features.shape, generator=generator, device=features.device, dtype=torch.float32) * std
-    else:
-        raise ValueError(f"noise kind must be 'uniform', 'gaussian' or 'none', got {kind!r}")
-    return features + noise.to(features.dtype)
-
-
 # --------------------------------------------------------------------------- KV cache
 
 
@@ -377,24 +357,18 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-_compiled_flex = None
+# The flex-attention function that layers call under a BlockMask (training). On CUDA the run
+# hands in a compiled one (dflash_train/compilation.py): this file imports nothing from its
+# package, since every export carries a copy of it. Eager flex materialises the score matrix.
+flex_kernel = None
 
 
 def _flex_attention(q, k, v, block_mask, scale):
+    if flex_kernel is not None and q.device.type == "cuda":
+        return flex_kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _compiled_flex
-    if q.device.type == "cuda":
-        if _compiled_flex is None:
-            # One compiled kernel per (queries, keys) shape; callers keep shapes to a handful
-            # (see masks.sample_anchors), and a raised limit keeps a long run from ever falling
-            # back to the eager path, which materialises the whole score matrix.
-            import torch._dynamo
-
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    # CPU: the eager flex forward (no backward exists there); used by tests to compare paths.
+    # Eager flex (on CPU the forward alone exists; tests compare the paths with it).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)

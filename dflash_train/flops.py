@@ -140,9 +140,10 @@ class WorkCounter:
         self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def watch(self, shipments):
-        """Pass `Trainer.micro_batches()` through, keeping what the count needs of every trained
-        shipment: device copies without a host sync (a drafter rank's receive buffers are
-        reused by the next batch), and the bytes each shipment takes on the wire."""
+        """Pass a step's shipments through (`train.take_step(run, counter.watch)`), keeping what
+        the count needs of every trained shipment: device copies without a host sync (a drafter
+        rank's receive buffers are reused by the next batch), and the bytes each shipment takes
+        on the wire."""
         for s in shipments:
             self.bytes_sent += wire_bytes(s)
             if not s.failed:

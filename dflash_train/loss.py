@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-DEFAULT_CHUNK_ROWS = 4096
+from dflash_train.config import DEFAULT_GAMMA, ObjectiveSection
 
 
 def default_gamma(block_size: int) -> float:
@@ -28,7 +27,7 @@ def default_gamma(block_size: int) -> float:
     if block_size not in DEFAULT_GAMMA:
         raise ValueError(
             f"no published loss decay gamma for block_size={block_size} "
-            f"(known: {sorted(DEFAULT_GAMMA)}); set loss.gamma explicitly"
+            f"(known: {sorted(DEFAULT_GAMMA)}); set objective.gamma explicitly"
         )
     return DEFAULT_GAMMA[block_size]
 
@@ -37,7 +36,7 @@ def position_weights(block_size: int, gamma: float | None = None, device=None) -
     """w[k] = exp(-(k - 1) / gamma) for block index k >= 1; w[0] = 0 (the anchor is given)."""
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     if gamma <= 0 or not math.isfinite(gamma):
-        raise ValueError(f"loss.gamma must be a positive number, got {gamma}")
+        raise ValueError(f"objective.gamma must be a positive number, got {gamma}")
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
@@ -78,18 +77,6 @@ def _chunk_loss(h_CH, weight_VH, labels_C, w_C, need_grad: bool):
     return loss, preds_C, grad_CH
 
 
-_compiled_chunk_loss = None
-
-
-def _compiled_chunk():
-    global _compiled_chunk_loss
-    if _compiled_chunk_loss is None:
-        # Static shapes: block_loss pads the last chunk, so a run compiles one graph per
-        # (chunk rows, need_grad) and never one per batch.
-        _compiled_chunk_loss = torch.compile(_chunk_loss, dynamic=False, fullgraph=True)
-    return _compiled_chunk_loss
-
-
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_m w_m * CE(hidden_m @ W^T, label_m), computed chunk by chunk.
 
@@ -107,7 +94,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         preds_M = torch.empty(M, dtype=torch.long, device=hidden_MH.device)
         grad_MH = torch.empty_like(hidden_MH) if need_grad else None
         w_M = row_w_M.to(torch.float32)
-        chunk = _compiled_chunk() if compiled else _chunk_loss
+        if compiled:
+            from dflash_train.compilation import loss_chunk
+
+            chunk = loss_chunk()
+        else:
+            chunk = _chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
             h, lab, w = hidden_MH[s:e], labels_M[s:e], w_M[s:e]
@@ -154,7 +146,7 @@ def block_loss(
     valid_M: torch.Tensor,
     block_size: int,
     gamma: float | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int = ObjectiveSection.lm_head_chunk_rows,
     compile: bool = False,
 ) -> BlockLossOutput:
     """Decayed cross-entropy of draft blocks plus the statistics of what would be accepted.

@@ -1,28 +1,25 @@
-"""The frozen target: loading, capture of the tapped layers, packing, warm-up.
+"""The frozen target: device and dtype choice, loading, capture of the tapped layers.
 
 Owns everything the drafter needs from the target model: its embedding and lm_head weights
-(frozen, shared, never saved with the drafter), the outputs of the tapped decoder layers for a
-padded batch (computed only up to the last tapped layer unless the target's own greedy labels
-are wanted), and `pack`, which turns a padded batch plus features into the packed row the
-drafter trains on (padding dropped, noise added).
+(frozen, shared, never saved with the drafter; `TargetHeads` reads them alone for a drafter
+rank), and the outputs of the tapped decoder layers for a padded batch (computed only up to the
+last tapped layer unless the target's own greedy labels are wanted). Packing those outputs for
+the drafter is produce.py's.
 
 Batches are right-padded, so with causal attention no real token ever attends to padding and
 the target runs without an attention mask.
 
-Shape legend: b rows, L padded length, T packed tokens, F = n*H concatenated tap width,
-V vocabulary.
+Shape legend: b rows, L padded length, F = n*H concatenated tap width, V vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from dflash_train.config import BUNDLED_TARGET, TINY_TARGET, ConfigError
-from dflash_train.drafter import add_feature_noise
 
 
 def resolve_target_path(path: str) -> Path:
@@ -119,23 +116,10 @@ class LayerTaps:
         self.outputs.clear()
 
 
-@dataclass
-class Packed:
-    """One packed row for the drafter (device tensors, except `num_tokens`)."""
-
-    features_TF: torch.Tensor | list[torch.Tensor]  # tapped target features, padding dropped,
-    # noise added; or (split fc layers) one [T, H] tensor per tap, without noise
-    input_ids_T: torch.Tensor
-    loss_mask_T: torch.Tensor  # bool
-    labels_T: torch.Tensor  # what the drafter must produce at each position
-    doc_lengths: torch.Tensor  # one document per batch row
-    num_tokens: int  # real tokens (before padding up to a multiple)
-
-
 class Target:
     """A frozen causal LM that returns the outputs of its tapped layers."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool) -> None:
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = [int(i) for i in layer_ids]
         self.need_logits = need_logits
@@ -147,10 +131,6 @@ class Target:
         if not need_logits:
             # Nothing after the last tapped layer is ever needed: drop it (time and memory).
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
-        if compile:
-            # The layers' forward only: the taps' hooks run around it, eagerly.
-            for layer in self.decoder.layers:
-                layer.forward = torch.compile(layer.forward)
         self.taps = LayerTaps(model, self.layer_ids)
         self.embed_weight = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
@@ -177,70 +157,11 @@ class Target:
         return nn.functional.embedding(ids, self.embed_weight)
 
 
-def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int], need_logits: bool,
-                compile: bool = False) -> tuple[Target, object]:
+def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
+                need_logits: bool) -> tuple[Target, object]:
     """Load, freeze and wrap the target; returns (Target, tokenizer)."""
     model, tokenizer = load_target_model(path, device, dtype)
-    return Target(model, layer_ids, need_logits, compile), tokenizer
-
-
-def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:
-    """Flat indices of the real tokens of a right-padded [b, padded_len] batch (host-side)."""
-    return torch.cat([torch.arange(r * padded_len, r * padded_len + n) for r, n in enumerate(lengths)])
-
-
-def pack(
-    input_ids_bL: torch.Tensor,
-    loss_mask_bL: torch.Tensor,
-    lengths: list[int],
-    features_bLF: torch.Tensor,
-    greedy_bL: torch.Tensor | None,
-    pad_to: int,
-    noise: str,
-    noise_std: float,
-    generator: torch.Generator | None,
-) -> Packed:
-    """Drop padding, concatenate rows into one packed row, padded with zeros to `pad_to`
-    tokens (at least the real count; the trainer passes the token budget, so every packed row
-    has one shape), and add training noise to the features. `features_bLF` may be a list of
-    per-tap [b, L, H] tensors (split fc layers): each is packed alone and no noise is added
-    (`finish_features` concatenates and adds it where the drafter runs)."""
-    split = isinstance(features_bLF, (list, tuple))
-    parts = list(features_bLF) if split else [features_bLF]
-    device = parts[0].device
-    b, L, _ = parts[0].shape
-    index = pack_index(lengths, L).to(device, non_blocking=True)
-    T = index.numel()
-    T_pad = max(T, pad_to)
-    packed_parts = []
-    for part in parts:
-        F = part.shape[-1]
-        feats = torch.zeros(T_pad, F, dtype=part.dtype, device=device)
-        feats[:T] = part.reshape(b * L, F).index_select(0, index)
-        packed_parts.append(feats)
-    feats = packed_parts if split else add_feature_noise(packed_parts[0], noise, noise_std, generator)
-    ids = torch.zeros(T_pad, dtype=torch.long, device=device)
-    ids[:T] = input_ids_bL.to(device, non_blocking=True).reshape(-1).index_select(0, index)
-    mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
-    mask[:T] = loss_mask_bL.to(device, non_blocking=True).reshape(-1).to(torch.bool).index_select(0, index)
-    if greedy_bL is None:
-        labels = ids
-    else:
-        # The target's prediction for position p is its argmax at p - 1 (same row).
-        shifted = torch.cat([input_ids_bL[:, :1].to(device), greedy_bL[:, :-1]], dim=1)
-        labels = torch.zeros_like(ids)
-        labels[:T] = shifted.reshape(-1).index_select(0, index)
-    doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
-    return Packed(feats, ids, mask, labels, doc_lengths, T)
-
-
-def finish_features(features, noise: str, noise_std: float, generator: torch.Generator | None) -> torch.Tensor:
-    """The drafter's [T, F] context features: split fc layers' per-tap tensors concatenated,
-    then noised exactly as `pack` would have on the target side (same shape, same generator);
-    an already finished tensor is returned as is."""
-    if not isinstance(features, (list, tuple)):
-        return features
-    return add_feature_noise(torch.cat(list(features), dim=-1), noise, noise_std, generator)
+    return Target(model, layer_ids, need_logits), tokenizer
 
 
 class TargetHeads:
@@ -287,33 +208,3 @@ class TargetHeads:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight)
-
-
-class SidePacker:
-    """Runs `pack` on a side CUDA stream (plain call on CPU).
-
-    Stream safety: the side stream waits for the producer of the features; the consumer stream
-    waits for the side stream; inputs are recorded on the side stream and outputs on the
-    consumer stream, so the caching allocator never hands their memory to other work while a
-    stream that uses them is still running.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def __call__(self, input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw) -> Packed:
-        if self.stream is None:
-            return pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
-        parts = list(features_bLF) if isinstance(features_bLF, (list, tuple)) else [features_bLF]
-        main = torch.cuda.current_stream(parts[0].device)
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            for t in (*parts, greedy_bL):
-                if t is not None:
-                    t.record_stream(self.stream)
-            packed = pack(input_ids_bL, loss_mask_bL, lengths, features_bLF, greedy_bL, **kw)
-        main.wait_stream(self.stream)
-        out_feats = packed.features_TF if isinstance(packed.features_TF, list) else [packed.features_TF]
-        for t in (*out_feats, packed.input_ids_T, packed.loss_mask_T, packed.labels_T, packed.doc_lengths):
-            t.record_stream(main)
-        return packed

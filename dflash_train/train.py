@@ -1,56 +1,39 @@
-"""The training run: build everything from the config, `train_step`, and the loop cadence.
+"""The training run: `build(cfg) -> Run`, which declares every part of a rank, and its two loops.
 
-Owns the order of one optimizer step (DESIGN.md): batch -> target -> pack -> anchors/mask ->
-drafter -> loss -> backward -> clip -> step, with gradient accumulation whose loss
-normalisation is exact (gradients of summed losses, divided once by the total weight), and a
-non-finite guard that leaves weights and optimizer state untouched, and a guard that skips a
-micro-batch on which the target forward raised (out of memory on an unusual shape). Logging,
-checkpoints and export live in the outer loop behind plain `step % every == 0` checks.
+Owns building a run from the config (the data and its batch plan, the target or its heads, the
+drafter, the producer and the drafter step, transport, stop control, checkpoints, compilation)
+and the loops: `train_drafter` (a drafter rank, or a colocated rank, or the single process)
+takes one step after another and holds the cadence in plain `step % every == 0` checks: log
+(the one host sync of an interval), evaluate, checkpoint, export at the end; `train_target`
+(a target rank of a disaggregated run) makes and sends the micro-batches of the steps ahead,
+joining each step's stop agreement and checkpoint when it falls due.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from dflash_train import checkpoint as ckpt
+from dflash_train.batching import BatchPlan, BatchStream
+from dflash_train.checkpoint import DRAFTER_CONFIG, CheckpointManager, DataPosition, GlobalSums, RngState
+from dflash_train.compilation import Compilation
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
-from dflash_train.dist import Dist
+from dflash_train.control import Control, Stop, TrainingStopped
+from dflash_train.dist import Assignment, Dist
 from dflash_train.drafter import (DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id,
                                   tap_problem)
 from dflash_train.export import export_drafter
 from dflash_train.faults import Faults
-from dflash_train.loss import BlockLossOutput, block_loss
-from dflash_train.masks import (ANCHOR_STREAM, NOISE_STREAM, build_attention_masks, build_layout, sample_anchors,
-                                step_generator)
 from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib, quiet_progress_bars
 from dflash_train.plot import report_run
-from dflash_train.target import SidePacker, TargetHeads, finish_features, load_target, resolve_target_path
-from dflash_train.transport import Receiver, Sender, Shipment
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped itself (too many non-finite steps or failed target forwards); a
-    checkpoint of the last good state was written."""
-
-
-def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
+from dflash_train.produce import FeatureNoise, Producer
+from dflash_train.step import DrafterStep
+from dflash_train.target import TargetHeads, load_target, resolve_target_path
+from dflash_train.transport import Receiver, Sender
 
 def load_data(cfg: Config, target_dir: Path, log=print):
     """The prepared dataset (cached) for the configured chat data."""
@@ -112,594 +95,342 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
 
 
 @dataclass
-class StepResult:
-    loss_sum: torch.Tensor
-    grad_norm: torch.Tensor
-    applied: bool
-    failed_batches: int = 0
-    """Micro-batches of this rank skipped because the target forward raised."""
-    all_failed: bool = False
-    """Every micro-batch of the step (on every drafter rank) failed: nothing to learn from."""
+class Run:
+    """Every part of one rank's run. A part this rank's role lacks is None: a drafter rank of a
+    disaggregated run has no producer, a target rank no drafter step; only disaggregated ranks
+    have a sender (targets) or a receiver (drafters)."""
+
+    cfg: Config
+    dist: Dist
+    out: Path
+    assign: Assignment
+    plan: BatchPlan
+    stream: BatchStream
+    total_steps: int
+    producer: Producer | None
+    step: DrafterStep | None
+    sender: Sender | None
+    receiver: Receiver | None
+    control: Control
+    checkpoints: CheckpointManager
+    compilation: Compilation
+    faults: Faults
+    timer: StageTimer
+    log: Callable  # the leader's messages (a no-op elsewhere)
+    log_any: Callable  # messages every rank prints, prefixed with its name
+    steps_done: int = 0
+    evaluator: object | None = None
+    waits_logged: list[float] | None = None
 
 
-class Trainer:
-    """One rank of a run. Alone (no torchrun) it is target and drafter at once; under torchrun
-    it is, by `topology`, a colocated data-parallel replica, a target rank or a drafter rank."""
+def build(cfg: Config, log=print, *, target_config=None, build_target=None, build_heads=None, dataset=None,
+          checkpointing: bool = True, dist: Dist | None = None) -> Run:
+    """One rank's run from `cfg`. Alone (no torchrun) the rank is target and drafter at once;
+    under torchrun it is, by `topology`, a colocated data-parallel replica, a target rank or a
+    drafter rank. Benchmarks (bench.py) replace the target folder and the chat data with
+    `target_config` (a transformers config of the target's shape), `build_target(layer_ids,
+    need_logits)` and `dataset` (rows of input_ids, loss_mask, length); there is no tokenizer
+    then, so drafter.mask_token_id must be set, and a drafter rank of a disaggregated run calls
+    `build_heads()` (embedding and lm_head, as target.TargetHeads). `checkpointing=False`:
+    nothing is resumed or saved, on every rank alike. `dist`: this rank's Dist, when the caller
+    made it already (default: from torchrun's environment)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    def __init__(self, cfg: Config, log=print, *, target_config=None, build_target=None, dataset=None,
-                 build_heads=None) -> None:
-        """Builds the run from `cfg`. Benchmarks (bench.py) replace the target folder and the
-        chat data with `target_config` (a transformers config of the target's shape),
-        `build_target(layer_ids, need_logits) -> Target` and `dataset` (rows of input_ids,
-        loss_mask, length); there is no tokenizer then, so drafter.mask_token_id must be set.
-        A drafter-only rank of a disaggregated run calls `build_heads()` instead of
-        `build_target` (something with `embed(ids)` and `lm_head_weight`, as `TargetHeads`)."""
-        from transformers import AutoConfig, AutoTokenizer
+    assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
+    dist = Dist.from_env(cfg.topology, cfg.train.device) if dist is None else dist
+    device = dist.device
+    prefix = f"{dist.name()}: " if dist.world_size > 1 else ""
+    log_any = lambda text: log(prefix + text)  # noqa: E731
+    lead_log = dist.log_fn(log)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    # Everything cheap and checkable first: config errors surface before heavy loading.
+    target_dir = tokenizer = None
+    if target_config is None:
+        target_dir = resolve_target_path(cfg.target.path)
+        target_config = AutoConfig.from_pretrained(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
+        drafter = build_drafter(cfg, target_config, tokenizer)
+    dataset = load_data(cfg, target_dir, lead_log) if dataset is None else dataset
+    plan = batch_plan(cfg, dataset["length"])
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    stream = BatchStream(dataset, plan, pad_id=0 if pad_id is None else pad_id)
+    assign = dist.assignment(cfg.train.grad_accum)
+    M = assign.micro_per_step
+    total_steps = cfg.train.max_steps or cfg.train.epochs * max(1, plan.num_batches // M)
+    attention = cfg.train.attention if cfg.train.attention != "auto" else "flex" if device.type == "cuda" else "sdpa"
+    compilation = Compilation.decide(cfg, device, attention)
+    faults, timer = Faults(cfg.faults, dist.rank), StageTimer(device)
+    noise = FeatureNoise(cfg.objective.noise, cfg.objective.noise_std, cfg.train.seed, device)
+    target = producer = step = None
+    if dist.is_target:
+        target = (build_target(drafter.target_layer_ids, cfg.objective.labels == "target") if build_target is not None
+                  else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids,
+                                   cfg.objective.labels == "target")[0])
+        producer = Producer(target, stream, device=device, noise=noise, split_fc=cfg.topology.split_fc,
+                            pad_to=cfg.data.token_budget, micro_per_step=M, faults=faults, timer=timer, log=log_any)
+    if dist.is_drafter:
+        drafter = drafter.to(device, torch.float32).train()
+        step = DrafterStep(cfg, drafter, _heads(cfg, device, target, build_target, build_heads), dist=dist,
+                           device=device, attention=attention, compile_loss=compilation.loss_chunks, noise=noise,
+                           micro_per_step=M, total_steps=total_steps, faults=faults,
+                           acc=Accumulator(drafter.block_size, device), timer=timer)
+    compilation.apply(drafter=step.drafter if step is not None else None, target=target)
+    control = Control(cfg.train, dist, M)
+    checkpoints = _checkpoint_manager(cfg, dist, DataPosition(stream, assign), step, control, faults,
+                                      checkpointing, lead_log)
+    disaggregated = dist.disaggregated
+    return Run(cfg, dist, Path(cfg.output_dir), assign, plan, stream, total_steps, producer, step,
+               Sender(dist, cfg.topology.queue_depth) if disaggregated and dist.is_target else None,
+               Receiver(dist) if disaggregated and dist.is_drafter else None,
+               control, checkpoints, compilation, faults, timer, lead_log, log_any)
 
-        from dflash_train.batching import BatchPlan, BatchStream
 
-        assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
-        self.dist = Dist.from_env(cfg.topology, cfg.train.device)
-        self.cfg, self.log = cfg, self.dist.log_fn(log)
-        prefix = f"{self.dist.name()}: " if self.dist.world_size > 1 else ""
-        self.log_any = lambda text: log(prefix + text)  # noqa: E731 (messages every rank prints)
-        self.out = Path(cfg.output_dir)
-        self.device = self.dist.device
-        if cfg.train.num_threads:
-            torch.set_num_threads(cfg.train.num_threads)
-        # Everything cheap and checkable first: config errors surface before heavy loading.
-        target_dir = tokenizer = None
-        if target_config is None:
-            target_dir = resolve_target_path(cfg.target.path)
-            target_config = AutoConfig.from_pretrained(target_dir)
-            tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
-            drafter = build_drafter(cfg, target_config, tokenizer)
-        self.block_size = drafter.block_size
-        self.dataset = load_data(cfg, target_dir, self.log) if dataset is None else dataset
-        plan = BatchPlan(self.dataset["length"], token_budget=cfg.data.token_budget,
-                         max_batch_size=cfg.data.max_batch_size, boundaries=cfg.data.bucket_boundaries,
-                         num_buckets=cfg.data.num_buckets, seed=cfg.train.seed)
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-        self.stream = BatchStream(self.dataset, plan, pad_id=0 if pad_id is None else pad_id)
-        self.plan = plan
-        self.assign = self.dist.assignment(cfg.train.grad_accum)
-        self.split = cfg.topology.split_fc
-        if build_target is not None and self.dist.is_target:
-            self.target = build_target(drafter.target_layer_ids, cfg.objective.labels == "target")
-        elif build_target is not None:
-            if build_heads is None:
-                raise ConfigError(["an injected target (bench) on a drafter rank needs build_heads: the "
-                                   "embedding and lm_head stand-in of a disaggregated run"])
-            self.target = build_heads()
-        elif self.dist.is_target:
-            self.target, _ = load_target(cfg.target.path, self.device, cfg.target.dtype, drafter.target_layer_ids,
-                                         need_logits=cfg.objective.labels == "target", compile=cfg.target.compile)
-        else:  # a drafter rank needs the target's embedding and lm_head only
-            self.target = TargetHeads(cfg.target.path, self.device, cfg.target.dtype)
-        steps_per_epoch = max(1, plan.num_batches // self.assign.micro_per_step)
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
-        self.drafter = drafter.to(self.device, torch.float32).train() if self.dist.is_drafter else None
-        self.mask_token_id = drafter.mask_token_id
-        self.attention = cfg.train.attention
-        if self.attention == "auto":
-            self.attention = "flex" if self.device.type == "cuda" else "sdpa"
-        # The loss's per-chunk math is compiled on CUDA only: there it is memory-bound passes
-        # over [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches.
-        self.compile_loss = cfg.train.compile and self.device.type == "cuda"
-        if self.dist.is_drafter:
-            if cfg.train.compile:
-                for layer in self.drafter.layers:
-                    layer.compile()
-            o = cfg.optim
-            self.optimizer = torch.optim.AdamW(
-                self.drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                weight_decay=o.weight_decay, fused=self.device.type == "cuda",
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, cosine_with_warmup(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
-        self.packer = SidePacker(self.device)
-        self.timer = StageTimer(self.device)
-        self.acc = Accumulator(self.block_size, self.device)
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
-        self.faults = Faults(cfg.faults, self.dist.rank)
-        if self.dist.disaggregated:
-            self.sender = Sender(self.dist, cfg.topology.queue_depth) if self.dist.is_target else None
-            self.receiver = Receiver(self.dist) if self.dist.is_drafter else None
-            self.waits_logged = None
-        self.step = 0
-        # False (bench): no checkpoint is resumed or written and the after-save agreements are
-        # skipped; set on every rank alike, so the ranks still agree step by step.
-        self.checkpointing = True
-        self.saved_step = None
-        self.consecutive_skips = 0
-        self.total_skipped = 0
-        self.consecutive_failures = 0
+def _heads(cfg: Config, device, target, build_target, build_heads):
+    """The target's frozen embedding and lm_head on a drafter rank: the target itself where the
+    rank holds it, else the weights alone (a drafter rank of a disaggregated run)."""
+    if target is not None:
+        return target
+    if build_target is None:
+        return TargetHeads(cfg.target.path, device, cfg.target.dtype)
+    if build_heads is None:
+        raise ConfigError(["an injected target (bench) on a drafter rank needs build_heads: the "
+                           "embedding and lm_head stand-in of a disaggregated run"])
+    return build_heads()
 
-    # ------------------------------------------------------------------- one step
 
-    def generator(self, index: int, stream: int) -> torch.Generator:
-        return step_generator(self.cfg.train.seed, index, stream, device=self.device)
+def _checkpoint_manager(cfg: Config, dist: Dist, position: DataPosition, step: DrafterStep | None,
+                        control: Control, faults: Faults, enabled: bool, log) -> CheckpointManager:
+    """The stateful parts of this rank, declared: a target rank holds none of the drafter's."""
+    out = Path(cfg.output_dir)
+    parts = {"drafter": None, "optimizer": None, "scheduler": None, "metrics": None, "control": control,
+             "rng": RngState(dist.device)}
+    if step is not None:
+        parts.update(drafter=step.drafter, optimizer=step.optimizer, scheduler=step.scheduler,
+                     metrics=GlobalSums(step.acc, dist))
 
-    def capture_target(self, batch):
-        """The target's features for one micro-batch, or None when the target forward raised
-        (out of memory on an unusual shape, ...): logged with the batch's shape; the consuming
-        drafter counts it. The data cursor is past the batch, so a resumed run skips it too."""
-        try:
-            self.faults.target_forward(self.step + 1)
-            ids = batch.input_ids.to(self.device, non_blocking=True)
-            captured = self.target.capture(ids, concat=False) if self.split else self.target.capture(ids)
-        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            failure = f"{type(err).__name__}: {err}"
-        else:
-            return captured
-        # Outside the except block: the traceback (and the tensors its frames hold) is gone.
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.log_any(f"step {self.step + 1}: target forward failed on batch of shape "
-                     f"{tuple(batch.input_ids.shape)}: {failure}; batch skipped")
-        return None
+    def texts() -> dict[str, str]:  # called on the leader, a drafter rank
+        return {"config.yaml": (out / "config.yaml").read_text(),
+                DRAFTER_CONFIG: step.drafter.config.to_json_string(use_diff=False)}
 
-    def produce(self, index: int, batch) -> Shipment:
-        """Target side of global micro-batch `index`: capture, then pack (noise added here
-        unless the fc layers are split)."""
-        c = self.cfg
-        stats = dict(padded_tokens=batch.input_ids.numel(), rows=batch.batch_size, epoch=batch.epoch,
-                     sum_seq_len=int(batch.lengths.sum()), max_seq_len=batch.max_seq_len)
-        self.timer.mark("target")
-        captured = self.capture_target(batch)
-        if captured is None:
-            return Shipment(index, True, None, **stats)
-        feats, greedy = captured
-        self.timer.mark("pack")
-        packed = self.packer(batch.input_ids, batch.loss_mask, batch.lengths.tolist(), feats, greedy,
-                             pad_to=c.data.token_budget, noise=c.objective.noise, noise_std=c.objective.noise_std,
-                             generator=None if self.split else self.generator(index, NOISE_STREAM))
-        return Shipment(index, False, packed.features_TF, packed.input_ids_T, packed.loss_mask_T, packed.labels_T,
-                        packed.doc_lengths, num_tokens=packed.num_tokens, **stats)
+    return CheckpointManager(out, cfg.checkpoint, dist, position, parts, texts, faults, enabled=enabled, log=log)
 
-    def forward_micro_batch(self, s: Shipment) -> BlockLossOutput | None:
-        """Drafter side: (concat + noise with split fc layers) -> blocks -> drafter -> loss;
-        None when the target failed on the micro-batch (it is skipped)."""
-        c = self.cfg
-        if s.failed:
-            self.consecutive_failures += 1
-            self.acc.add_failed_batch()
-            return None
-        self.consecutive_failures = 0
-        self.timer.mark("mask")
-        features_TF = finish_features(s.features, c.objective.noise, c.objective.noise_std,
-                                      self.generator(s.index, NOISE_STREAM))
-        anchors = sample_anchors(s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
-                                 self.generator(s.index, ANCHOR_STREAM),
-                                 pad_to_multiple=c.train.anchor_multiple, pow2_buckets=True)
-        layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, self.block_size)
-        masks = build_attention_masks(layout, self.drafter.layer_types, self.drafter.config.sliding_window, self.attention)
-        self.timer.mark("drafter_forward")
-        noise_emb = self.target.embed(layout.block_input_ids(s.input_ids_T, self.mask_token_id))
-        with self.autocast:
-            hidden = self.drafter(features_TF[None], noise_emb[None], layout.position_ids(), attention_mask=masks)[0]
-        out = block_loss(hidden.to(self.target.lm_head_weight.dtype), self.target.lm_head_weight,
-                         layout.labels(s.labels_T), layout.valid_NB.flatten(), self.block_size,
-                         gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows,
-                         compile=self.compile_loss)
-        out.loss_sum = self.faults.poison_loss(self.step + 1, out.loss_sum)
-        self.acc.add_loss(out)
-        self.acc.add_batch(s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len)
-        return out
 
-    def micro_batches(self):
-        """This drafter rank's micro-batches of the current step, made here (colocated) or
-        received from their target ranks (disaggregated), one at a time: the next is asked for
-        only after the previous one's backward."""
-        for index in self.assign.consumed(self.step, self.dist.drafter_index):
-            if not self.dist.disaggregated:
-                self.timer.mark("data")
-                yield self.produce(index, self.stream[index])
-            else:
-                self.timer.mark("receive")
-                yield self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
+def batch_plan(cfg: Config, lengths) -> BatchPlan:
+    """Which samples (by their lengths) form which batch of each epoch, as the config says."""
+    d = cfg.data
+    return BatchPlan(lengths, token_budget=d.token_budget, max_batch_size=d.max_batch_size,
+                     boundaries=d.bucket_boundaries, num_buckets=d.num_buckets, seed=cfg.train.seed)
 
-    def train_step(self, micro_batches) -> StepResult:
-        """One optimizer step over this rank's micro-batches; skipped if anything is non-finite."""
-        loss_sum, weight_sum, used, failed = 0.0, 0.0, 0, 0
-        for shipment in micro_batches:
-            out = self.forward_micro_batch(shipment)
-            if out is None:
-                failed += 1
-                continue
-            self.timer.mark("backward")
-            out.loss_sum.backward()
-            loss_sum, weight_sum, used = loss_sum + out.loss_sum.detach(), weight_sum + out.weight_sum, used + 1
-        self.timer.mark("optimizer")
-        used_by_all = None  # several drafter ranks: the micro-batches trained over all of them (device)
-        if len(self.dist.drafter_ranks) > 1:
-            loss_sum, weight_sum, used_by_all = self.all_reduce_gradients(loss_sum, weight_sum, used)
-        finite = False
-        if used_by_all is None and used == 0:  # nothing to learn from: weights and optimizer untouched
-            loss_sum = grad_norm = torch.zeros((), device=self.device)
-            all_failed = True
-        else:
-            params = [p for p in self.drafter.parameters() if p.grad is not None]
-            # Exact mean over all micro-batches: gradients of the summed loss, divided once.
-            torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
-            ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
-            if used_by_all is None:
-                finite, all_failed = bool(ok), False  # host sync: the skip decision
-            else:  # the global count is read with the skip decision, in the same host sync
-                trained = used_by_all > 0
-                finite, any_trained = torch.stack([ok & trained, trained]).tolist()
-                all_failed = not any_trained
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.timer.mark(None)
-        return StepResult(loss_sum, grad_norm, finite, failed, all_failed=all_failed)
 
-    def all_reduce_gradients(self, loss_sum, weight_sum, used: int):
-        """Sum gradients, loss and weight sums and the trained micro-batch counts over the
-        drafter ranks (one flat all-reduce; all three sums stay on the device), so that
-        dividing by the global weight gives the single-process gradient of the same
-        micro-batches. Done once per step after accumulation rather than by DDP's backward hooks:
-        DDP averages by the number of ranks (the exact mean needs the weight sum instead) and
-        needs every rank to run the same backwards, which a skipped micro-batch breaks."""
-        params = list(self.drafter.parameters())
-        for p in params:
-            if p.grad is None:  # every micro-batch of this rank failed: it adds zeros
-                p.grad = torch.zeros_like(p)
-        totals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
-                              for v in (loss_sum, weight_sum, float(used))])
-        self.dist.all_reduce_drafters([p.grad for p in params] + [totals],
-                                      f"waiting for the gradient all-reduce of step {self.step + 1}")
-        return totals[0], totals[1], totals[2]
+# --------------------------------------------------------------------------- drafter ranks
 
-    # ------------------------------------------------------------------- the loops
 
-    def run(self) -> Path | None:
-        """Train to the end (or a stop), then export; returns the exported drafter folder
-        (None on a target rank)."""
-        if not self.dist.is_drafter:
-            return self.run_target()
-        if self.dist.is_leader:
-            self.out.mkdir(parents=True, exist_ok=True)
-            dump_yaml(self.cfg, self.out / "config.yaml")
-        if not self.resume():
-            self.warm_up()
-        sink = MetricsSink(self.out, self.cfg.log, to_dict(self.cfg), self.total_steps, self.step) \
-            if self.dist.is_leader else NullSink()
-        stop = ckpt.StopFlag().install()
-        deadline = time.perf_counter() + (self.cfg.train.max_time_s or float("inf"))
-        signalled = out_of_time = False
-        try:
-            while self.step < self.total_steps:
-                result = self.train_step(self.micro_batches())
-                self.step += 1
-                self.acc.add_step(result.grad_norm, skipped=not result.applied)
+def train_drafter(run: Run) -> Path | None:
+    """Train to the end (or a stop), then export; returns the exported drafter folder (None on
+    ranks other than the leader; the checkpoints folder after a signal)."""
+    cfg, control, checkpoints = run.cfg, run.control, run.checkpoints
+    if not resume(run):
+        warm_up(run)
+    if run.dist.is_leader:  # after resume: a refused checkpoint leaves the folder as it was
+        run.out.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, run.out / "config.yaml")
+    sink = MetricsSink(run.out, cfg.log, to_dict(cfg), run.total_steps, run.steps_done) \
+        if run.dist.is_leader else NullSink()
+    stop = None
+    try:
+        with control:
+            while run.steps_done < run.total_steps:
+                result = take_step(run)
+                n = run.steps_done
                 sink.progress()
-                nonfinite_stop = self.track_skips(result, sink)
-                self.faults.after_step(self.step)
-                signalled, nonfinite_stop, failure_stop, out_of_time = self.agree_stop(
-                    stop, nonfinite_stop, self.too_many_failures(), time.perf_counter() >= deadline)
-                stopping = nonfinite_stop or failure_stop
-                if self.step % self.cfg.log.every == 0 or self.step == self.total_steps or stopping or out_of_time:
-                    record = self.log_record()
-                    if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.dist.is_leader:
-                        record.update(self.evaluate())
-                    sink.log(record)
-                if stopping:
-                    self.stop_on_faults(failure_stop)
-                if self.checkpointing and self.step % self.cfg.checkpoint.every == 0:
-                    self.save()
-                    if not signalled:  # a signal during the save stops the run here, saved
-                        signalled = bool(self.dist.agree([stop.requested is not None],
-                                                         f"waiting for the other ranks after the save of step {self.step}")[0])
-                if signalled:
+                if control.count(result):
+                    sink.event(f"step {n}: non-finite loss or gradient; step skipped, weights untouched")
+                run.faults.after_step(n)
+                stop = control.agree(n, result)
+                # Not on a signal: the interval's sums are saved and the resumed run logs them.
+                if n % cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
+                    sink.log(log_record(run, evaluate=bool(cfg.eval.every) and n % cfg.eval.every == 0))
+                if stop is not None and stop.is_fault:
+                    saved = checkpoints.save(n)
+                    drain(run)
+                    raise TrainingStopped(control.explain(stop, saved))
+                if checkpoints.due(n):
+                    checkpoints.save(n)
+                    if stop is None and control.signalled_after_save(n):  # a signal during the save
+                        stop = Stop.SIGNAL
+                if stop is Stop.TIME and n < run.total_steps:
+                    sink.event(f"train.max_time_s={cfg.train.max_time_s:g} reached: the run ends at step {n} of "
+                               f"{run.total_steps}")
+                if stop is not None:
                     break
-                if out_of_time and self.step < self.total_steps:
-                    sink.event(f"train.max_time_s={self.cfg.train.max_time_s:g} reached: the run ends at step "
-                               f"{self.step} of {self.total_steps}")
-                    break
-            if signalled:
-                cause = stop.requested or "a signal to another rank"
-                sink.event(f"{cause} received: saving a checkpoint at step {self.step} and exiting")
-            if self.saved_step != self.step:
-                self.save()
-            self.drain()
-        finally:
-            stop.restore()
-            sink.close()
-        if signalled:
-            return self.out / "checkpoints"
-        if not self.dist.is_leader:
-            return None
-        exported = export_drafter(self.drafter, self.out / "drafter", getattr(torch, self.cfg.checkpoint.export_dtype))
-        report_run(self.out, exported, self.log)
-        return exported
-
-    def agree_stop(self, stop: ckpt.StopFlag, nonfinite: bool, failures: bool,
-                   out_of_time: bool) -> tuple[bool, bool, bool, bool]:
-        """Whether every rank stops after this step: a signal to any rank, a fault stop of any
-        drafter rank, or train.max_time_s passed on any drafter rank (one small all-reduce over
-        the control group; alone: the local flags)."""
-        flags = self.dist.agree([stop.requested is not None, nonfinite, failures, out_of_time],
-                                f"waiting for the other ranks at the end of step {self.step}")
-        return bool(flags[0]), bool(flags[1]), bool(flags[2]), bool(flags[3])
-
-    def drain(self) -> None:
-        """After a stop at step k, receive (and drop) what the targets had already produced for
-        the steps after k (they run up to `lag` steps ahead), so no send is left hanging."""
-        if not self.dist.disaggregated:
-            return
-        last = min(self.step + self.dist.lag(self.assign), self.total_steps)
-        for step in range(self.step, last):
-            for index in self.assign.consumed(step, self.dist.drafter_index):
-                self.receiver.recv(self.dist.target_ranks[self.assign.producer(index)], index)
-
-    def run_target(self, on_step=None) -> None:
-        """A target rank of a disaggregated run: capture and send the batches of steps
-        step+1, step+2, ..., at most `lag` steps ahead of the drafters, joining each step's stop
-        agreement (and checkpoint) when it falls due. `on_step(step)` (bench) is called after
-        the batches of each 1-based step have been handed to the sender."""
-        self.resume()
-        self.warm_up()
-        stop = ckpt.StopFlag().install()
-        lag, me = self.dist.lag(self.assign), self.dist.target_index
-        joined, outcome = self.step, None  # agreements of drafter steps 1..joined are done
-        try:
-            for step in range(self.step + 1, self.total_steps + 1):
-                while outcome is None and joined < step - lag - 1:
-                    joined += 1
-                    outcome = self.target_agree(joined, stop)
-                if outcome is not None:
-                    break
-                self.step = step - 1
-                for index in self.assign.produced(step - 1, me):
-                    consumer = self.dist.drafter_ranks[self.assign.consumer(index)]
-                    self.timer.mark("data")
-                    shipment = self.produce(index, self.stream[index])
-                    self.timer.mark("send")
-                    self.sender.send(consumer, shipment, self.split)
-                self.timer.mark(None)
-                if on_step is not None:
-                    on_step(step)
-                self.faults.after_step(step)
-            while outcome is None and joined < self.total_steps:
-                joined += 1
-                outcome = self.target_agree(joined, stop)
-            self.sender.flush()
-        finally:
-            stop.restore()
-        if outcome == "fault":
-            raise TrainingStopped(f"stopped with the drafter ranks at step {joined} (their message says why)")
+            if stop is Stop.SIGNAL:
+                sink.event(f"{control.cause()} received: saving a checkpoint at step {run.steps_done} and exiting")
+            if checkpoints.saved_step != run.steps_done:
+                checkpoints.save(run.steps_done)
+            drain(run)
+    finally:
+        sink.close()
+    if stop is Stop.SIGNAL:
+        return run.out / "checkpoints"
+    if not run.dist.is_leader:
         return None
+    exported = export_drafter(run.step.drafter, run.out / "drafter", getattr(torch, cfg.checkpoint.export_dtype))
+    report_run(run.out, exported, run.log)
+    return exported
 
-    def target_agree(self, step: int, stop: ckpt.StopFlag) -> str | None:
-        """A target rank's part in the agreement (and checkpoint) after drafter step `step`."""
-        flags = self.dist.agree([stop.requested is not None, 0, 0, 0],
-                                f"waiting for the drafter ranks to finish step {step}")
-        stopping = any(flags)
-        if step % self.cfg.checkpoint.every == 0 or stopping or step == self.total_steps:
-            self.save(step)
-        if self.checkpointing and step % self.cfg.checkpoint.every == 0 and not stopping:  # the drafters' after-save agreement
-            flags[0] = self.dist.agree([stop.requested is not None], f"waiting for the drafter ranks after the "
-                                       f"save of step {step}")[0]
-        if flags[1] or flags[2]:
-            return "fault"
-        return "signal" if flags[0] else "time" if flags[3] else None
 
-    def evaluate(self) -> dict:
-        """tau of the current drafter on the held-out prompts (docs/EVALUATION.md); the
-        evaluation's time is kept out of the next interval's throughput."""
+def take_step(run: Run, watch=None):
+    """One optimizer step of a drafter rank: `run.step` on this rank's micro-batches of the next
+    step (passed through `watch(shipments)` when given: benchmarks count the work), then the
+    step is done. Returns the step.StepResult."""
+    shipments = micro_batches(run)
+    result = run.step(shipments if watch is None else watch(shipments))
+    run.steps_done += 1
+    return result
+
+
+def micro_batches(run: Run):
+    """This drafter rank's micro-batches of the next step, made here (colocated) or received from
+    their target ranks (disaggregated), one at a time: the next is asked for only after the
+    previous one's backward."""
+    for index in run.assign.consumed(run.steps_done, run.dist.drafter_index):
+        if run.receiver is None:
+            yield run.producer(index)
+        else:
+            run.timer.mark("receive")
+            yield run.receiver.recv(run.dist.target_ranks[run.assign.producer(index)], index)
+
+
+def drain(run: Run) -> None:
+    """After a stop at step k, receive (and drop) what the targets had already produced for the
+    steps after k (they run up to `lag` steps ahead), so no send is left hanging."""
+    if run.receiver is None:
+        return
+    last = min(run.steps_done + run.dist.lag(run.assign), run.total_steps)
+    for step in range(run.steps_done, last):
+        for index in run.assign.consumed(step, run.dist.drafter_index):
+            run.receiver.recv(run.dist.target_ranks[run.assign.producer(index)], index)
+
+
+def log_record(run: Run, evaluate: bool) -> dict:
+    """The log step's record; with several drafter ranks, their sums are added up first (a
+    collective: every drafter rank calls this at the same steps). `evaluate`: add tau of the
+    current drafter on the held-out prompts (the leader; its time is kept out of the next
+    interval's throughput)."""
+    d, step, acc, n = run.dist, run.step, run.step.acc, run.steps_done
+    if len(d.drafter_ranks) > 1:
+        acc.all_reduce(lambda t: d.all_reduce_drafters([t], f"waiting for the metrics all-reduce of step {n}"))
+    record = {"step": n, "epoch": run.stream.epoch_of(n * run.assign.micro_per_step - 1),
+              "lr": step.scheduler.get_last_lr()[0]}
+    record.update(acc.flush())
+    record["stage_s"] = run.timer.flush()
+    record["skipped_total"] = run.control.total_skipped
+    if run.receiver is not None:
+        record["wait_s"] = transport_waits(run)
+    record["peak_memory_gib"] = peak_memory_gib(d.device)
+    if evaluate and d.is_leader:
         from dflash_train.evaluate import TrainingEvaluator
 
-        if getattr(self, "evaluator", None) is None:
-            self.evaluator = TrainingEvaluator(self.cfg.eval, self.cfg.target, self.device)
-        metrics = self.evaluator(self.drafter, self.autocast)
-        self.acc.reset()  # just flushed: only its clock moves
-        return metrics
+        if run.evaluator is None:
+            run.evaluator = TrainingEvaluator(run.cfg.eval, run.cfg.target, d.device)
+        record.update(run.evaluator(step.drafter, step.autocast))
+        acc.reset()  # just flushed: only its clock moves
+    return record
 
-    def track_skips(self, result: StepResult, sink) -> bool:
-        """Count non-finite steps; True when the run must stop. A step whose micro-batches all
-        failed in the target forward is counted by `too_many_failures` instead."""
-        if result.applied:
-            self.consecutive_skips = 0
-            return False
-        if result.all_failed:
-            return False
-        self.consecutive_skips += 1
-        self.total_skipped += 1
-        sink.event(f"step {self.step}: non-finite loss or gradient; step skipped, weights untouched")
-        return self.consecutive_skips >= self.cfg.train.max_consecutive_skips
 
-    def too_many_failures(self) -> bool:
-        return self.consecutive_failures >= self.cfg.train.max_consecutive_batch_failures
+def transport_waits(run: Run) -> dict:
+    """Seconds of the interval each drafter rank waited for batches (a starving drafter) and each
+    target rank waited for a free send slot (a blocked target), as lists by drafter / target
+    index. A target's figure arrives in its headers, so it is as of the last batch it sent to any
+    drafter."""
+    d = run.dist
+    D, T = len(d.drafter_ranks), len(d.target_ranks)
+    cumulative = torch.zeros(D + T, dtype=torch.float64, device=d.device)
+    cumulative[d.drafter_index] = run.receiver.wait_s
+    for target, us in run.receiver.sender_wait_us.items():
+        cumulative[D + target] = us / 1e6
+    d.all_reduce_drafters([cumulative], f"waiting for the wait-time all-reduce of step {run.steps_done}", op="max")
+    values = cumulative.tolist()  # host sync: log step only
+    previous = run.waits_logged or [0.0] * (D + T)
+    run.waits_logged = values
+    delta = [round(v - p, 4) for v, p in zip(values, previous)]
+    return {"drafter_recv": delta[:D], "target_send": delta[D:]}
 
-    def stop_on_faults(self, failures: bool) -> None:
-        path = self.save()
-        self.drain()
-        if failures:
-            limit = self.cfg.train.max_consecutive_batch_failures
-            count = self.consecutive_failures if self.too_many_failures() else f"{limit} or more"  # another rank's
-            raise TrainingStopped(
-                f"the target forward failed on {count} consecutive "
-                f"micro-batches (limit train.max_consecutive_batch_failures="
-                f"{self.cfg.train.max_consecutive_batch_failures}; each failure is logged above with its batch's "
-                f"shape); the last good state is saved in {path}. If they ran out of memory, lower "
-                f"data.token_budget or data.max_batch_size."
-            )
-        raise TrainingStopped(
-            f"{self.consecutive_skips} consecutive non-finite steps (limit "
-            f"train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}); the last good state "
-            f"is saved in {path}. Lower optim.lr or check the data and the target."
-        )
 
-    def log_record(self) -> dict:
-        """The log step's record; with several drafter ranks, their sums are added up first
-        (a collective: every drafter rank calls this at the same steps)."""
-        if len(self.dist.drafter_ranks) > 1:
-            self.acc.all_reduce(lambda t: self.dist.all_reduce_drafters(
-                [t], f"waiting for the metrics all-reduce of step {self.step}"))
-        record = {"step": self.step, "epoch": self.stream.epoch_of(self.step * self.assign.micro_per_step - 1),
-                  "lr": self.scheduler.get_last_lr()[0]}
-        record.update(self.acc.flush())
-        record["stage_s"] = self.timer.flush()
-        record["skipped_total"] = self.total_skipped
-        if self.dist.disaggregated:
-            record["wait_s"] = self.transport_waits()
-        record["peak_memory_gib"] = peak_memory_gib(self.device)
-        return record
+# --------------------------------------------------------------------------- target ranks
 
-    def transport_waits(self) -> dict:
-        """Seconds of the interval each drafter rank waited for batches (a starving drafter)
-        and each target rank waited for a free send slot (a blocked target), as lists by
-        drafter / target index. A target's figure arrives in its headers, so it is as of the
-        last batch it sent to any drafter."""
-        D, T = len(self.dist.drafter_ranks), len(self.dist.target_ranks)
-        cumulative = torch.zeros(D + T, dtype=torch.float64, device=self.device)
-        cumulative[self.dist.drafter_index] = self.receiver.wait_s
-        for target, us in self.receiver.sender_wait_us.items():
-            cumulative[D + target] = us / 1e6
-        self.dist.all_reduce_drafters([cumulative], f"waiting for the wait-time all-reduce of step {self.step}", op="max")
-        values = cumulative.tolist()  # host sync: log step only
-        previous = self.waits_logged or [0.0] * (D + T)
-        self.waits_logged = values
-        delta = [round(v - p, 4) for v, p in zip(values, previous)]
-        return {"drafter_recv": delta[:D], "target_send": delta[D:]}
 
-    # ------------------------------------------------------------------- state
+def train_target(run: Run, on_step=None) -> None:
+    """A target rank of a disaggregated run: make and send the micro-batches of steps step+1,
+    step+2, ..., at most `lag` steps ahead of the drafters, joining each step's stop agreement
+    (and checkpoint) when it falls due. `on_step(step)` (bench) is called after the micro-batches
+    of each 1-based step have been handed to the sender."""
+    resume(run)
+    warm_up(run)
+    lag, me = run.dist.lag(run.assign), run.dist.target_index
+    joined, stop = run.steps_done, None  # agreements of drafter steps 1..joined are done
+    with run.control:
+        for step in range(run.steps_done + 1, run.total_steps + 1):
+            while stop is None and joined < step - lag - 1:
+                joined += 1
+                stop = target_agree(run, joined)
+            if stop is not None:
+                break
+            for index in run.assign.produced(step - 1, me):
+                shipment = run.producer(index)
+                run.timer.mark("send")
+                run.sender.send(run.dist.drafter_ranks[run.assign.consumer(index)], shipment)
+            run.timer.mark(None)
+            if on_step is not None:
+                on_step(step)
+            run.faults.after_step(step)
+        while stop is None and joined < run.total_steps:
+            joined += 1
+            stop = target_agree(run, joined)
+        run.sender.flush()
+    run.steps_done = joined
+    if stop is not None and stop.is_fault:
+        raise TrainingStopped(f"stopped with the drafter ranks at step {joined} (their message says why)")
 
-    def warm_up(self) -> None:
-        """Run the target once on every bucket's largest shape (CUDA: allocator, kernels and any
-        out-of-memory surface before the first step; CPU has nothing to warm)."""
-        if self.device.type != "cuda" or not self.dist.is_target:
-            return
-        started = time.perf_counter()
-        for rows, length in self.plan.shapes:
-            self.target.capture(torch.zeros(rows, length, dtype=torch.long, device=self.device))
-        torch.cuda.synchronize(self.device)
-        self.log(f"warmed up {len(self.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s")
 
-    def cursor_state(self, step: int) -> dict:
-        """The data cursor after `step` steps: the next global micro-batch index (the same on
-        every rank; each target rank makes the indices the assignment gives it)."""
-        return {"next_index": step * self.assign.micro_per_step, "micro_per_step": self.assign.micro_per_step,
-                **self.stream.identity()}
+def target_agree(run: Run, step: int) -> Stop | None:
+    """A target rank's part in the agreement (and checkpoint) after drafter step `step`, in the
+    order the drafter ranks take them."""
+    stop = run.control.agree(step)
+    if run.checkpoints.due(step) or stop is not None or step == run.total_steps:
+        run.checkpoints.save(step)
+    if stop is None and run.checkpoints.due(step) and run.control.signalled_after_save(step):
+        stop = Stop.SIGNAL
+    return stop
 
-    def rank_state(self, step: int) -> dict:
-        """What this rank alone holds: its cursor, Python RNG, and as a drafter its interval
-        sums and failure count."""
-        state = {"rank": self.dist.rank, "role": self.dist.role, "cursor": self.cursor_state(step),
-                 "python_rng": list(random.getstate()[1])}
-        if self.dist.is_drafter:
-            state.update(accumulator=self.acc.state_dict(), consecutive_failures=self.consecutive_failures)
-        return state
 
-    def state(self) -> dict:
-        state = {
-            "step": self.step,
-            "scheduler": self.scheduler.state_dict(),
-            "consecutive_skips": self.consecutive_skips,
-            "total_skipped": self.total_skipped,
-            "topology": self.dist.identity(),
-        }
-        if self.dist.world_size == 1:
-            state.update(self.rank_state(self.step))
-        return state
+# --------------------------------------------------------------------------- both
 
-    def rng_state(self) -> dict:
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return rng
 
-    def save(self, step: int | None = None) -> Path:
-        """Checkpoint of `step` (default: the current step). Several ranks: the leader opens a
-        shared temporary folder, every rank writes its own rank-R files into it, then the leader
-        adds weights, optimizer, scheduler and config and makes it complete (meta.json, rename)."""
-        step = self.step if step is None else step
-        path = ckpt.checkpoint_root(self.out) / f"step-{step}"
-        if not self.checkpointing:
-            return path
-        tmp = None
-        if self.dist.world_size > 1:
-            if self.dist.is_leader:
-                ckpt.begin_shared(self.out, step)
-            self.dist.barrier(f"waiting for the other ranks to start the checkpoint of step {step}")
-            tmp = ckpt.shared_tmp(self.out, step)
-            ckpt.write_rank_state(tmp, self.dist.rank, self.rng_state(), self.rank_state(step))
-            self.dist.barrier(f"waiting for every rank's state of the checkpoint of step {step}")
-        if self.dist.is_leader:
-            path = ckpt.save_checkpoint(
-                self.out, step, self.drafter.state_dict(), self.optimizer.state_dict(),
-                self.rng_state() if tmp is None else None, self.state(),
-                texts={"config.yaml": (self.out / "config.yaml").read_text(),
-                       ckpt.DRAFTER_CONFIG: self.drafter.config.to_json_string(use_diff=False)},
-                keep=self.cfg.checkpoint.keep, halfway=self.faults.save_hook(step), tmp=tmp,
-            )
-            self.faults.after_save(step, path)
-        self.saved_step = step
-        return path
+def resume(run: Run) -> bool:
+    step = run.checkpoints.resume()
+    if step is not None:
+        run.steps_done = step
+    return step is not None
 
-    def resume(self) -> bool:
-        """Restore the newest verified checkpoint, if any; every rank must find the same one."""
-        if not self.checkpointing:
-            return False
-        found = ckpt.find_resumable(self.out, log=self.log) if self.out.is_dir() else None
-        step = int(found.name[5:]) if found is not None else -1
-        if self.dist.world_size > 1:
-            neg_min, most = self.dist.agree([-step, step], "waiting for the other ranks to pick a checkpoint")
-            if -neg_min != most:
-                raise ckpt.CheckpointError(f"{self.dist.name()}: the ranks found different checkpoints to resume "
-                                           f"from (steps {-neg_min} and {most}): is output_dir on a shared file system?")
-        if found is None:
-            return False
-        trainer = json.loads((found / "trainer_state.json").read_text())
-        saved_topology = trainer.get("topology", {"mode": "colocated", "world_size": 1, "num_targets": 1,
-                                                  "num_drafters": 1})
-        if saved_topology != self.dist.identity():
-            raise ckpt.CheckpointError(
-                f"{found}: written by a run of {saved_topology}, but this run is {self.dist.identity()}: resume "
-                f"with the same topology settings and torchrun --nproc_per_node/--nnodes, or use a new output_dir")
-        if self.dist.world_size == 1:
-            rng, own = None, trainer
-        else:
-            rng, own = ckpt.load_rank_state(found, self.dist.rank)
-        if self.dist.is_drafter:
-            saved = ckpt.load_checkpoint(found, self.device)
-            self.drafter.load_state_dict(saved["drafter"])
-            self.optimizer.load_state_dict(saved["optimizer"])
-            self.scheduler.load_state_dict(trainer["scheduler"])
-            self.consecutive_skips, self.total_skipped = trainer["consecutive_skips"], trainer["total_skipped"]
-            self.consecutive_failures = own.get("consecutive_failures", 0)
-            self.acc.load_state_dict(own["accumulator"])
-            rng = saved["rng"] if rng is None else rng
-        self.step = trainer["step"]
-        cursor = dict(own["cursor"])
-        if cursor.get("micro_per_step") != self.assign.micro_per_step:
-            raise ckpt.CheckpointError(f"{found}: saved with {cursor.get('micro_per_step')} micro-batches per step, "
-                                       f"now {self.assign.micro_per_step}: keep train.grad_accum and the drafter ranks")
-        try:
-            next_index = self.stream.check_state(cursor)
-        except ValueError as err:
-            raise ckpt.CheckpointError(f"{found}: {err}") from err
-        assert next_index == self.step * self.assign.micro_per_step  # our own invariant
-        state = random.getstate()
-        random.setstate((state[0], tuple(own["python_rng"]), state[2]))
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.saved_step = self.step
-        epoch, position = divmod(next_index, self.plan.num_batches)
-        self.log(f"resumed at step {self.step} (epoch {epoch}, batch {position})")
-        return True
+
+def warm_up(run: Run) -> None:
+    """The target once on every bucket's largest shape (CUDA: allocator, kernels, compiled graphs
+    and any out-of-memory surface before the first step; CPU has nothing to warm)."""
+    if run.dist.device.type != "cuda" or run.producer is None:
+        return
+    started = time.perf_counter()
+    run.producer.warm_up(run.plan.shapes)
+    torch.cuda.synchronize(run.dist.device)
+    run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s")
 
 
 def train(cfg: Config, log=print) -> Path | None:
     quiet_progress_bars()
-    trainer = Trainer(cfg, log)
-    result = trainer.run()
-    trainer.dist.close()
+    run = build(cfg, log)
+    result = train_drafter(run) if run.step is not None else train_target(run)
+    run.dist.close()
     return result

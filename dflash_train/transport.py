@@ -1,4 +1,4 @@
-"""Moving packed batches from target ranks to drafter ranks (disaggregated mode).
+"""Moving shipments (produce.py) from target ranks to drafter ranks (disaggregated mode).
 
 Owns the wire format and the two ends. A batch travels as a small int64 header (global
 micro-batch index, flags, shapes, dtype code, batch statistics, the sender's cumulative wait)
@@ -10,7 +10,7 @@ document lengths [num_docs]. A batch whose target forward failed is a header alo
 completed; at most `topology.queue_depth` batches per drafter are in flight, beyond that it
 waits for the oldest. `Receiver` (drafter side) receives in global-index order (which target
 sent batch g is a pure function of g, so both ends agree without asking) into buffers that it
-reuses once the consumer has finished the previous batch (the trainer asks for batch g + 1
+reuses once the consumer has finished the previous batch (the drafter step asks for batch g + 1
 only after the backward of batch g; on GPU, NCCL orders the receive after the work already
 queued on the current stream). Both ends time their waits: a starving drafter shows as
 receive wait, a blocked target as send wait, in metrics.jsonl.
@@ -22,38 +22,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from dflash_train.dist import Dist
+from dflash_train.produce import Shipment
 
 HEADER_LEN = 16
 FAILED, SPLIT = 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@dataclass
-class Shipment:
-    """One packed micro-batch as the drafter uses it."""
-
-    index: int  # global micro-batch index g
-    failed: bool  # the target forward raised on this batch: nothing to train on
-    features: torch.Tensor | list[torch.Tensor] | None  # [T, F], or per tap [T, H] (split fc)
-    input_ids_T: torch.Tensor | None = None
-    loss_mask_T: torch.Tensor | None = None
-    labels_T: torch.Tensor | None = None
-    doc_lengths: torch.Tensor | None = None
-    num_tokens: int = 0  # real packed tokens
-    padded_tokens: int = 0  # rows x L of the target batch
-    rows: int = 0
-    sum_seq_len: int = 0
-    max_seq_len: int = 0
-    epoch: int = 0
-    sender_wait_us: int = 0  # the producing target's cumulative send wait
-
-
-def _header(s: Shipment, split: bool, device) -> torch.Tensor:
+def _header(s: Shipment, device) -> torch.Tensor:
+    split = isinstance(s.features, list)
     h = [0] * HEADER_LEN
     h[0], h[1] = s.index, (FAILED if s.failed else 0) | (SPLIT if split else 0)
     if not s.failed:
@@ -72,17 +53,17 @@ class Sender:
         self.in_flight: dict[int, deque] = {}
         self.wait_s = 0.0  # time blocked on full queues, cumulative
 
-    def send(self, dst: int, shipment: Shipment, split: bool) -> None:
+    def send(self, dst: int, shipment: Shipment) -> None:
         import torch.distributed as dist
 
         queue = self.in_flight.setdefault(dst, deque())
         while len(queue) >= self.queue_depth:
             self._complete(dst, queue.popleft())
         shipment.sender_wait_us = int(self.wait_s * 1e6)
-        tensors = [_header(shipment, split, self.dist.device)]
+        tensors = [_header(shipment, self.dist.device)]
         if not shipment.failed:
             ints = torch.stack([shipment.input_ids_T, shipment.loss_mask_T.to(torch.int64), shipment.labels_T])
-            feats = shipment.features if split else [shipment.features]
+            feats = shipment.features if isinstance(shipment.features, list) else [shipment.features]
             tensors += [f.contiguous() for f in feats] + [ints, shipment.doc_lengths.to(torch.int64).contiguous()]
         # The tensors stay referenced in the queue entry until their sends have completed.
         works = [dist.isend(t, dst) for t in tensors]

@@ -3,13 +3,13 @@
 Owns the process-level parallelism that evaluation and regeneration share. Batch-1 decoding of
 a small target is bound by the host (Python and kernel launches), so one process leaves a GPU
 mostly idle; more processes fill it, where more threads would fight over the interpreter lock
-(DESIGN.md). Each worker is a spawned process that builds its state once with
-`setup(device, *setup_args)` (typically: load its own copy of the target on its device), then
-takes items from one shared queue and sends back `work(state, item)`. The parent yields the
-results in item order whatever order the workers finish in, so what a job writes does not
-depend on the number of workers. An exception in a worker ends the job with that worker's
-traceback; a worker that dies without one (killed, out of memory, segfault) ends it too, naming
-its exit code. Nothing waits forever on a dead worker.
+(the kernel launches of threads of one process take turns on it). Each worker is a spawned
+process that builds its state once with `setup(device, *setup_args)` (typically: load its own
+copy of the target on its device), then takes items from one shared queue and sends back
+`work(state, item)`. The parent yields the results in item order whatever order the workers
+finish in, so what a job writes does not depend on the number of workers. An exception in a
+worker ends the job with that worker's traceback; a worker that dies without one (killed, out
+of memory, segfault) ends it too, naming its exit code. Nothing waits forever on a dead worker.
 
 `setup` and `work` must be module-level functions (spawn pickles them by name).
 """

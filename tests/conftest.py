@@ -1,8 +1,9 @@
 """Shared fixtures: tiny random configs and packed layouts, the real SmolLM2 folder and tokenizer,
-and variants of that tokenizer with other chat templates."""
+variants of that tokenizer with other chat templates, and what the run tests read back."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from dflash_train.drafter import DFlashDrafter, build_drafter_config
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def losses(out: Path) -> dict[int, float]:
+    """step -> logged loss of a run's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

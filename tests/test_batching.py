@@ -1,4 +1,5 @@
-"""Bucketed batches: budgets, coverage, determinism, sharding and exact mid-epoch resume."""
+"""Bucketed batches: budgets, coverage, determinism, the endless stream and exact mid-epoch
+resume from its position."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.batching import BatchCursor, BatchPlan, collate, quantile_boundaries
+from dflash_train.batching import BatchPlan, BatchStream, collate, quantile_boundaries
 
 lengths_st = st.lists(st.integers(1, 600), min_size=1, max_size=300)
 budget_st = st.integers(640, 5000)  # lengths up to 600 round up to a 640 bucket
@@ -46,23 +47,14 @@ def test_batches_respect_budget_and_cover_the_epoch(lengths, budget, max_rows, b
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80), num_producers=st.integers(1, 7),
-       epoch=st.integers(0, 3))
-def test_shards_are_disjoint_and_complete(lengths, num_producers, epoch):
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80), epoch=st.integers(0, 3))
+def test_an_epoch_of_the_stream_partitions_the_samples(lengths, epoch):
     plan = BatchPlan(lengths, token_budget=1024, max_batch_size=4, seed=1)
-    shards = [plan.shard(p, num_producers) for p in range(num_producers)]
-    flat = [i for shard in shards for i in shard]
-    assert sorted(flat) == list(range(plan.num_batches))
-    # What the producers' cursors actually hand out over one epoch partitions the samples.
-    dataset = fake_dataset(lengths)
-    samples = []
-    for producer in range(min(num_producers, plan.num_batches)):
-        cursor = BatchCursor(dataset, plan, producer, num_producers)
-        cursor.load_state_dict({**cursor.state_dict(), "epoch": epoch})
-        batches = [next(cursor) for _ in range(cursor.batches_per_epoch)]
-        assert all(b.epoch == epoch for b in batches)
-        samples.extend(i for b in batches for i in b.indices)
-    assert sorted(samples) == list(range(len(lengths)))
+    stream = BatchStream(fake_dataset(lengths), plan)
+    n = plan.num_batches
+    batches = [stream[g] for g in range(epoch * n, (epoch + 1) * n)]
+    assert all(b.epoch == epoch for b in batches) and [b.index for b in batches] == list(range(n))
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(lengths)))
 
 
 def test_shuffle_is_a_function_of_seed_and_epoch():
@@ -75,33 +67,31 @@ def test_shuffle_is_a_function_of_seed_and_epoch():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), num_producers=st.integers(1, 3),
-       stop=st.integers(0, 40), seed=st.integers(0, 100))
-def test_resume_yields_the_same_remaining_batches(lengths, num_producers, stop, seed):
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), stop=st.integers(0, 40),
+       seed=st.integers(0, 100))
+def test_resume_yields_the_same_remaining_batches(lengths, stop, seed):
+    """A run's data position is the next global index: a stream built anew (as a resumed run
+    builds it) checks the saved position and continues with the same batches."""
     dataset = fake_dataset(lengths)
     plan = BatchPlan(lengths, token_budget=512, max_batch_size=4, seed=seed)
-    producer = seed % min(num_producers, plan.num_batches)
-    straight = BatchCursor(dataset, plan, producer, num_producers)
-    expected = [next(straight) for _ in range(stop + 15)]
-    interrupted = BatchCursor(dataset, plan, producer, num_producers)
-    for _ in range(stop):
-        next(interrupted)
-    state = interrupted.state_dict()
-    resumed = BatchCursor(dataset, BatchPlan(lengths, token_budget=512, max_batch_size=4, seed=seed),
-                          producer, num_producers)
-    resumed.load_state_dict(state)
-    for want, got in zip(expected[stop:], (next(resumed) for _ in range(15))):
+    straight = BatchStream(dataset, plan)
+    expected = [straight[g] for g in range(stop + 15)]
+    state = {"next_index": stop, **straight.identity()}
+    resumed = BatchStream(dataset, BatchPlan(lengths, token_budget=512, max_batch_size=4, seed=seed))
+    start = resumed.check_state(state)
+    for want, got in zip(expected[stop:], (resumed[g] for g in range(start, start + 15))):
         assert (want.epoch, want.index, want.indices) == (got.epoch, got.index, got.indices)
         assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.loss_mask, got.loss_mask)
 
 
-def test_cursor_walks_epochs_in_producer_order():
+def test_stream_walks_epochs_in_order():
     lengths = [5, 60, 60, 130, 7, 300, 20, 20, 90, 250] * 3
     plan = BatchPlan(lengths, token_budget=600, max_batch_size=3, seed=0)
-    cursor = BatchCursor(fake_dataset(lengths), plan, producer=1, num_producers=2)
-    seen = [(b.epoch, b.index) for b in (next(cursor) for _ in range(2 * cursor.batches_per_epoch))]
-    own = plan.shard(1, 2)
-    assert seen == [(0, i) for i in own] + [(1, i) for i in own]
+    stream = BatchStream(fake_dataset(lengths), plan)
+    n = plan.num_batches
+    seen = [(stream[g].epoch, stream[g].index) for g in range(2 * n)]
+    assert seen == [(0, i) for i in range(n)] + [(1, i) for i in range(n)]
+    assert [stream.epoch_of(g) for g in (0, n - 1, n, 2 * n)] == [0, 0, 1, 2]
 
 
 def test_collate_and_stats_against_naive_padding():
@@ -114,7 +104,7 @@ def test_collate_and_stats_against_naive_padding():
         assert loss_mask[row].tolist() == [bool(m) for m in mask] + [False] * (12 - len(mask))
     assert lengths_B.tolist() == [4, 3, 9] and input_ids.dtype == torch.long and loss_mask.dtype == torch.bool
     plan = BatchPlan(lengths, token_budget=64, max_batch_size=8, boundaries=[16])
-    batch = next(BatchCursor(dataset, plan, pad_id=7))
+    batch = BatchStream(dataset, plan, pad_id=7)[0]
     assert batch.stats() == {"avg_seq_len": 16 / 3, "max_seq_len": 9, "batch_size": 3,
                              "padding_efficiency": 16 / 48}
     assert plan.padding_efficiency() == 16 / 48
@@ -136,9 +126,9 @@ def test_plan_errors_name_the_fix():
     with pytest.raises(ValueError, match="strictly increasing"):
         BatchPlan([10], boundaries=[64, 32])
     plan = BatchPlan([10, 20], token_budget=64, boundaries=[32])
-    cursor = BatchCursor(fake_dataset([10, 20]), plan)
-    other = BatchCursor(fake_dataset([10, 20]), BatchPlan([10, 20], token_budget=64, boundaries=[32], seed=9))
+    stream = BatchStream(fake_dataset([10, 20]), plan)
+    other = BatchStream(fake_dataset([10, 20]), BatchPlan([10, 20], token_budget=64, boundaries=[32], seed=9))
     with pytest.raises(ValueError, match="seed: saved 0, now 9"):
-        other.load_state_dict(cursor.state_dict())
-    with pytest.raises(ValueError, match="producer 1 would get no batch"):
-        BatchCursor(fake_dataset([10, 20]), plan, producer=1, num_producers=2)
+        other.check_state({"next_index": 0, **stream.identity()})
+    with pytest.raises(ValueError, match="the plan covers 2 samples but the dataset has 3"):
+        BatchStream(fake_dataset([10, 20, 30]), plan)

@@ -107,22 +107,25 @@ def test_visible_pairs_equal_a_brute_force_count_of_the_mask(window):
 def test_work_counted_from_a_real_step_matches_the_step_itself():
     """The counter sees only the drafter's inputs and the shipments; compare it with what
     the step really built: the dense mask (CPU) and the anchors sample_anchors drew."""
-    trainer, _ = bench.build_trainer("tiny", ["objective.noise=none"], log=lambda *a: None)
-    counter = flops.WorkCounter(trainer.drafter)
+    from dflash_train.train import take_step
+
+    run, _ = bench.build_run("tiny", ["objective.noise=none"], log=lambda *a: None)
+    drafter = run.step.drafter
+    counter = flops.WorkCounter(drafter)
     seen = []
-    trainer.drafter.register_forward_pre_hook(
+    drafter.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((args[1].shape[1], kwargs["attention_mask"])), with_kwargs=True)
-    bench.run_step(trainer, counter)
-    loss_rows = int(trainer.acc.count_K.sum())
-    work = counter.count(trainer.cfg.objective.num_anchors, loss_rows)
-    (index,) = trainer.assign.consumed(0, 0)
-    batch = trainer.stream[index]  # the host batch the step trained on
-    B = trainer.block_size
-    real = real_anchor_count(batch.loss_mask, batch.lengths, trainer.cfg.objective.num_anchors)
+    take_step(run, counter.watch)
+    loss_rows = int(run.step.acc.count_K.sum())
+    work = counter.count(run.cfg.objective.num_anchors, loss_rows)
+    (index,) = run.assign.consumed(0, 0)
+    batch = run.stream[index]  # the host batch the step trained on
+    B = drafter.block_size
+    real = real_anchor_count(batch.loss_mask, batch.lengths, run.cfg.objective.num_anchors)
     (q_len, masks), = seen
     dense = masks["full_attention"]
     assert dense.shape[0] == q_len and q_len >= real * B
-    layers = trainer.drafter.config.num_hidden_layers
+    layers = drafter.config.num_hidden_layers
     assert work.attention_pairs == layers * int(dense[: real * B].sum())
     assert int(dense[real * B:].sum()) == (q_len - real * B) * B  # padding blocks see only themselves
     assert work.block_rows == real * B and work.samples == batch.batch_size

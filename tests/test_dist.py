@@ -1,6 +1,7 @@
 """Disaggregated and data-parallel runs under torchrun on CPU (gloo): the assignment of micro-
 batches, the same losses as a single process over the same batches, SIGTERM to one rank then an
-exact resume, and a rank that dies (SIGKILL) or hangs making the others exit with a message."""
+exact resume, a resume on another topology of the same global batch (and the refusal of another
+batch), and a rank that dies (SIGKILL) or hangs making the others exit with a message."""
 
 from __future__ import annotations
 
@@ -20,14 +21,9 @@ from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
 from dflash_train.dist import Assignment, Dist
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, TINY, losses, subprocess_env
 
-TINY = ROOT / "configs" / "tiny.yaml"
 STEPS = 20
-
-
-def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def torchrun(out: Path, nproc: int, *overrides: str) -> list[str]:
@@ -52,6 +48,27 @@ def reference(tmp_path_factory):
     assert cli.main(["train", "--config", str(TINY), "--output-dir", str(out), f"train.max_steps={STEPS}",
                      "train.grad_accum=2"]) == 0
     return losses(out)
+
+
+# Logs every 5 steps and a stop after step 7: the checkpoint falls inside a log interval, so the
+# resumed run's first record sums metrics of both topologies.
+INTERVAL = ("log.every=5", "checkpoint.every=100")
+
+
+@pytest.fixture(scope="module")
+def interval_reference(tmp_path_factory):
+    """The reference run, logged every 5 steps."""
+    out = tmp_path_factory.mktemp("interval-reference")
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(out), f"train.max_steps={STEPS}",
+                     "train.grad_accum=2", *INTERVAL]) == 0
+    return losses(out)
+
+
+def assert_close_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    """The same steps logged, each loss within 1e-5 (relative): summation order may differ."""
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, got[step], loss)
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -190,3 +207,62 @@ def test_hanging_rank_makes_the_others_exit_with_a_message(tmp_path):
     for rank in (1, 2):
         line = next((l for l in output.splitlines() if f"rank {rank} (drafter {rank - 1}): gave up" in l), None)
         assert line is not None and "topology.timeout_s=4" in line, output[-3000:]
+
+
+# --------------------------------------------------------------------------- another topology
+
+
+def stopped_after_step_7(out: Path, nproc: int, *setup: str) -> None:
+    """A torchrun run stopped by SIGTERM after step 7 (faults on the drafter ranks `on_ranks`),
+    which writes the checkpoint of step 7."""
+    *setup, on_ranks = setup
+    done = run(torchrun(out, nproc, *setup, *INTERVAL, "faults.sigterm_at_steps=[7]", on_ranks))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-7"]
+
+
+@pytest.mark.slow
+def test_two_colocated_ranks_resume_on_one_process_with_grad_accum_2(interval_reference, tmp_path, capsys):
+    """Saved by 2 colocated ranks (grad_accum 1), resumed by one process with grad_accum 2: the
+    same 2 micro-batches per step, so the losses of an uninterrupted run."""
+    stopped_after_step_7(tmp_path, 2, "faults.on_ranks=[0, 1]")
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), f"train.max_steps={STEPS}",
+                     "train.grad_accum=2", *INTERVAL]) == 0
+    said = capsys.readouterr().out
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-7'}" in said
+    assert "resumed at step 7 (epoch 0, batch 14); it was saved by a run of" in said
+    assert_close_losses(losses(tmp_path), interval_reference)
+
+
+@pytest.mark.slow
+def test_one_target_two_drafters_resume_on_one_drafter_with_grad_accum_2(interval_reference, tmp_path):
+    """Saved by 1 target + 2 drafter ranks, resumed by 1 target + 1 drafter with grad_accum 2."""
+    stopped_after_step_7(tmp_path, 3, *DISAGG, "faults.on_ranks=[1, 2]")
+    second = run(torchrun(tmp_path, 2, *DISAGG, "train.grad_accum=2", *INTERVAL))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-7'}" in second.stdout
+    assert_close_losses(losses(tmp_path), interval_reference)
+
+
+def test_resume_with_another_global_batch_is_refused_naming_the_numbers_and_the_fix(tmp_path, capsys):
+    from datasets import Dataset
+
+    from dflash_train.batching import BatchPlan, BatchStream
+    from dflash_train.checkpoint import CheckpointError, DataPosition
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=2", "train.grad_accum=2"]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main([*args[:-1], "train.grad_accum=3"]) == 1
+    err = capsys.readouterr().err
+    assert (f"{tmp_path / 'checkpoints' / 'step-2'}: saved by a run of 1 drafter rank(s) x train.grad_accum=2 = 2 "
+            f"micro-batches per step, but this run takes 1 x 3 = 3") in err
+    assert "set train.grad_accum=2 for 1 drafter rank;" in err and "another output_dir" in err
+    # Three drafter ranks cannot make 2 micro-batches a step: the fix says what can.
+    dataset = Dataset.from_dict({"input_ids": [[1] * 5], "loss_mask": [[1] * 5], "length": [5]})
+    stream = BatchStream(dataset, BatchPlan([5], token_budget=8, boundaries=[8]))
+    position = DataPosition(stream, Assignment(1, 3, 1, False))
+    with pytest.raises(CheckpointError, match="launch a number of drafter ranks that divides 2 and set "
+                                              "train.grad_accum to 2 divided by it"):
+        position.check(tmp_path, {"micro_per_step": 2}, {"num_drafters": 2, "grad_accum": 1}, 0)

@@ -1,5 +1,5 @@
 """The drafter: train/serve consistency, attention paths, cache, published format, taps,
-mask token choice, feature noise, parameter counts."""
+mask token choice, parameter counts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from transformers import AutoTokenizer, Qwen3Config
 from dflash_train.drafter import (
     DFlashDrafter,
     DrafterCache,
-    add_feature_noise,
     build_drafter_config,
     count_parameters,
     default_target_layer_ids,
@@ -257,18 +256,6 @@ def test_mask_token_prefers_reserved_special(smollm2_path):
     assert resolve_mask_token_id(tok, len(tok)) == rid
     with pytest.raises(ValueError, match="explicitly"):
         resolve_mask_token_id(None, 100)
-
-
-def test_feature_noise():
-    x = torch.zeros(2000, 8)
-    u = add_feature_noise(x, "uniform", 0.05, step_generator(0, 1))
-    assert u.abs().max() <= 0.05 and u.abs().max() > 0.045 and abs(u.mean()) < 0.005
-    g = add_feature_noise(x, "gaussian", 0.05, step_generator(0, 1))
-    assert abs(g.std() - 0.05) < 0.003
-    assert add_feature_noise(x, "none", 0.05) is x
-    assert torch.equal(add_feature_noise(x, "uniform", 0.05, step_generator(0, 1)), u)
-    with pytest.raises(ValueError, match="noise kind"):
-        add_feature_noise(x, "pink", 0.05)
 
 
 def _count_on_meta(cfg):

@@ -1,18 +1,24 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager;
-the BlockMask read off the layout against create_block_mask, with no host sync. Skipped without a
-GPU (CI has none); run on the GPU machine with `python -m pytest tests/test_gpu.py`."""
+the BlockMask read off the layout against create_block_mask, with no host sync; the side-stream
+packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
+disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
+has none); run on the GPU machine with `python -m pytest tests/test_gpu.py`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from dflash_train.compilation import compile_flex_attention
 from dflash_train.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.loss import block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 
-from conftest import ROOT, random_packed_row, subprocess_env, tiny_target_config
+from conftest import ROOT, TINY, losses, random_packed_row, subprocess_env, tiny_target_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,6 +43,7 @@ def _setup(seed=0, window=None, dtype=torch.float32):
 
 
 def _run(drafter, layout, feats, embed, backend):
+    compile_flex_attention()  # as a training run on CUDA does
     drafter.zero_grad(set_to_none=True)
     masks = build_attention_masks(layout, drafter.layer_types, drafter.config.sliding_window, backend)
     out = drafter(feats, embed, layout.position_ids(), attention_mask=masks)
@@ -58,6 +65,7 @@ def test_compiled_flex_equals_dense_forward_and_backward(window):
 
 def test_bf16_train_serve_consistency_with_flex():
     drafter, layout, feats, embed, lengths = _setup(seed=1, dtype=torch.bfloat16)
+    compile_flex_attention()
     with torch.no_grad():
         masks = build_attention_masks(layout, drafter.layer_types, None, "flex")
         out = drafter(feats, embed, layout.position_ids(), attention_mask=masks)[0].view(-1, B, H)
@@ -150,11 +158,13 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
 
 def test_compiled_target_layers_give_the_eager_features():
     from dflash_train.bench import WORKLOADS, build_random_target, target_config
+    from dflash_train.compilation import compile_target_layers
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
-    eager = build_random_target(config, device, torch.bfloat16, 0, compile=False)([1, 3], False)
-    compiled = build_random_target(config, device, torch.bfloat16, 0, compile=True)([1, 3], False)
+    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    compile_target_layers(compiled)
     for shape in ((2, 40), (3, 64), (2, 40)):  # a second shape, then the first again
         ids = torch.randint(0, 500, shape, device=device)
         a, _ = eager.capture(ids)
@@ -163,14 +173,100 @@ def test_compiled_target_layers_give_the_eager_features():
         assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 2e-2
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("split", [False, True], ids=["concat", "split-fc"])
+def test_side_stream_packer_equals_the_plain_packer(split):
+    """SidePacker packs on its own CUDA stream; what it returns equals `pack` on the current
+    stream, bit for bit (noise included). Both orderings are exercised: the features come late
+    on the current stream (the side stream must wait for them) and the side stream is busy when
+    the packer is called (the current stream must wait for the packed row before reading it)."""
+    from dflash_train.batching import Batch
+    from dflash_train.produce import FeatureNoise, SidePacker, pack
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    lengths, L, taps = [700, 31, 1024, 5], 1024, 3
+    ids = torch.randint(1, 1000, (len(lengths), L), generator=gen)
+    mask = torch.rand(len(lengths), L, generator=gen) < 0.7
+    batch = Batch(ids, mask, torch.tensor(lengths), list(range(len(lengths))), 0, 0)
+    noise = FeatureNoise("uniform", 0.05, seed=3, device=device)
+    packer = SidePacker(device)
+
+    def inputs():
+        g = torch.Generator(device=device).manual_seed(1)
+        feats = [torch.randn(len(lengths), L, H, device=device, generator=g, dtype=torch.bfloat16) for _ in range(taps)]
+        greedy = torch.randint(0, 1000, (len(lengths), L), device=device, generator=g)
+        return (feats if split else torch.cat(feats, dim=-1)), greedy
+
+    with torch.cuda.stream(packer.stream):
+        torch.cuda._sleep(20_000_000)  # the side stream is busy when the packer is called
+    torch.cuda._sleep(100_000_000)  # the features below are made late on the current stream
+    side = packer(batch, 9, *inputs(), 4096, noise)
+    got = [t.clone() for t in (side.features if split else [side.features])]  # read on the current stream
+    got += [getattr(side, n).clone() for n in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths")]
+    torch.cuda.synchronize()
+    plain = pack(batch, 9, *inputs(), 4096, noise)
+    want = list(plain.features) if split else [plain.features]
+    want += [getattr(plain, n) for n in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths")]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert side.num_tokens == plain.num_tokens == sum(lengths)
+
+
+def _train(out, nproc: int, *overrides: str) -> dict[int, float]:
+    """`train` of the tiny config on the GPU, 8 steps: one process (nproc 0) or torchrun."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc else [])
+    cmd = launch + ["-m", "dflash_train.cli", "train", "--config", str(TINY), "--output-dir", str(out),
+                    "train.device=cuda", "train.max_steps=8", *overrides]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=subprocess_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(out)
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    """Equal up to bf16 noise. The runs compare do the same fp32 arithmetic (the sum of two
+    ranks' gradients is the one addition that accumulation does on one GPU; the features come
+    from the same kernels), so they should agree almost bit for bit; training on other
+    micro-batches moves the loss by percent."""
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-3 * abs(loss), (step, got[step], loss)
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory):
+    """One GPU, grad_accum 2: the micro-batches that two GPUs take one each."""
+    return _train(tmp_path_factory.mktemp("one-gpu"), 0, "train.grad_accum=2")
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_two_gpus_train_the_losses_of_one(mode, one_gpu, tmp_path):
+    """Colocated (gradients all-reduced over NCCL) or 1 target + 1 drafter GPU (shipments over
+    NCCL point-to-point, grad_accum 2): the losses of one GPU."""
+    setup = ["topology.mode=disaggregated", "topology.num_target_ranks=1", "train.grad_accum=2"] \
+        if mode == "disaggregated" else []
+    assert_same_losses(_train(tmp_path, 2, *setup), one_gpu)
+
+
+@TWO_GPUS
+def test_checkpoint_of_two_gpus_resumes_on_one(one_gpu, tmp_path):
+    """2 colocated GPUs stopped by SIGTERM after step 4, resumed on one GPU with grad_accum 2."""
+    first = _train(tmp_path, 2, "faults.sigterm_at_steps=[4]", "checkpoint.every=100")
+    assert sorted(first) == [1, 2, 3, 4] and (tmp_path / "checkpoints" / "step-4").is_dir()
+    assert_same_losses(_train(tmp_path, 0, "train.grad_accum=2"), one_gpu)
+
+
+@TWO_GPUS
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
     """The NCCL paths of the torchrun bench: gradient all-reduce (colocated), point-to-point
     shipments between GPUs (disaggregated 1 + 1); rank 0 reports."""
     import json
-    import subprocess
-    import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "dflash_train.cli", "bench", "--workload", "tiny", "--steps", "3", "--warmup", "2",

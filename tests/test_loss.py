@@ -163,7 +163,7 @@ def test_accuracy_and_run_statistics():
 
 def test_gamma_defaults_and_weights():
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
-    with pytest.raises(ValueError, match="loss.gamma"):
+    with pytest.raises(ValueError, match="objective.gamma"):
         default_gamma(12)
     w = position_weights(16)
     assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)

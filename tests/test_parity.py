@@ -2,8 +2,8 @@
 that speculative decoding produced with anchors at that run's cycle starts, computes for every
 block what the serving drafter computed in that cycle.
 
-This is the check for the bug class "high training accuracy, near-zero serving acceptance"
-(REFERENCE.md section 5): wrong rope positions, wrong layer taps, a wrong mask token, context
+This is the check for the bug class that users of other trainers report most, "high training
+accuracy, near-zero serving acceptance": wrong rope positions, wrong layer taps, a wrong mask token, context
 visible at the anchor itself, or context features that differ between the training forward (one
 clean forward of the whole sequence) and serving (prefill, then the verify passes' features of
 the committed positions) all make the two sides disagree here. Float32 on CPU: the two sides
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train import train as train_module
+from dflash_train import step as step_module
 from dflash_train.batching import Batch
 from dflash_train.config import load_config
 from dflash_train.specdec import DFlashProposer, speculative_generate
@@ -39,13 +39,14 @@ class RecordingProposer(DFlashProposer):
         return proposals
 
 
-def _trainer(tmp_path):
-    """A tiny-config Trainer (random 4-layer target, 1-layer block-8 drafter), without feature
+def _run(tmp_path):
+    """A tiny-config run (random 4-layer target, 1-layer block-8 drafter), without feature
     noise; its dataset only has to exist: the test builds its own micro-batch."""
     from datasets import Dataset
     from transformers import AutoConfig
 
     from dflash_train.target import load_target, resolve_target_path
+    from dflash_train.train import build
 
     cfg = load_config("configs/tiny.yaml", [f"output_dir={tmp_path}", "objective.noise=none",
                                             "train.device=cpu", "drafter.mask_token_id=16"])
@@ -54,10 +55,10 @@ def _trainer(tmp_path):
     def build_target(layer_ids, need_logits):
         return load_target(cfg.target.path, torch.device("cpu"), "float32", layer_ids, need_logits=need_logits)[0]
 
-    trainer = train_module.Trainer(cfg, log=lambda *a, **k: None, dataset=dataset, build_target=build_target,
-                                   target_config=AutoConfig.from_pretrained(resolve_target_path(cfg.target.path)))
-    trainer.drafter.eval()
-    return trainer
+    run = build(cfg, log=lambda *a, **k: None, dataset=dataset, build_target=build_target,
+                target_config=AutoConfig.from_pretrained(resolve_target_path(cfg.target.path)))
+    run.step.drafter.eval()
+    return run
 
 
 def _capture(module, store: list):
@@ -76,10 +77,10 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     torch.manual_seed(0)
     from dflash_train.target import load_target_model
 
-    trainer = _trainer(tmp_path)
-    drafter = trainer.drafter
+    run = _run(tmp_path)
+    drafter = run.step.drafter
     # Serving loads the whole target on its own (the trainer's runs only up to its last tap).
-    model, _ = load_target_model(trainer.cfg.target.path, torch.device("cpu"), torch.float32)
+    model, _ = load_target_model(run.cfg.target.path, torch.device("cpu"), torch.float32)
     B = drafter.block_size
     if accept_all:
         with torch.no_grad():
@@ -104,11 +105,11 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     loss_mask = torch.arange(L) >= PROMPT_LEN
     batch = Batch(ids[None], loss_mask[None], torch.tensor([L]), [0], 0, 0)
     anchors = torch.tensor(proposer.anchors)
-    monkeypatch.setattr(train_module, "sample_anchors", lambda *a, **k: anchors)
+    monkeypatch.setattr(step_module, "sample_anchors", lambda *a, **k: anchors)
     trained: list[torch.Tensor] = []
     handle = _capture(drafter.layers[-1], trained)
     with torch.no_grad():
-        out = trainer.forward_micro_batch(trainer.produce(0, batch))
+        out = run.step.forward(run.producer.produce(0, batch))
     handle.remove()
     assert out is not None and len(trained) == 1
 
@@ -117,14 +118,14 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
         torch.testing.assert_close(teacher_NBH[n], online_1BH[0], rtol=1e-4, atol=1e-4,
                                    msg=f"cycle {n} (anchor {proposer.anchors[n]})")
         if not accept_all:
-            logits = drafter.norm(teacher_NBH[n, 1:]) @ trainer.target.lm_head_weight.t()
+            logits = drafter.norm(teacher_NBH[n, 1:]) @ run.step.heads.lm_head_weight.t()
             assert torch.equal(logits.argmax(-1), proposals), f"cycle {n}"
 
 
 def test_parity_check_catches_context_visible_at_the_anchor(tmp_path, monkeypatch):
     """The check above can fail: with the mask rule loosened to let a block see the target's
-    feature at its own anchor (the bug of REFERENCE.md section 5), the training forward no
-    longer computes what serving proposed."""
+    feature at its own anchor (a train/serve mismatch users of other trainers hit), the training
+    forward no longer computes what serving proposed."""
     from dflash_train import masks
 
     rule = masks.block_mask_mod

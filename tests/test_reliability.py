@@ -23,16 +23,12 @@ import torch
 from dflash_train import checkpoint as ckpt
 from dflash_train import cli
 from dflash_train.config import ConfigError, load_config
-from dflash_train.train import Trainer
+from dflash_train.step import DrafterStep
+from dflash_train.train import build, train_drafter
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
+from conftest import ROOT, TINY, losses
+
 STEPS = 20
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
 
 
 def records(out: Path) -> list[dict]:
@@ -59,11 +55,11 @@ def newest_step(out: Path) -> int:
     return int(ckpt.list_checkpoints(out)[-1].name[5:])
 
 
-def snapshot(trainer: Trainer) -> tuple[dict, dict]:
+def snapshot(step: DrafterStep) -> tuple[dict, dict]:
     """Copies of the drafter weights and the optimizer's per-parameter state."""
-    weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    weights = {k: v.clone() for k, v in step.drafter.state_dict().items()}
     state = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
-             for k, s in trainer.optimizer.state_dict()["state"].items()}
+             for k, s in step.optimizer.state_dict()["state"].items()}
     return weights, state
 
 
@@ -227,13 +223,13 @@ def test_injected_nan_is_skipped_bit_identically_then_stops_the_run(tmp_path, mo
     """NaN at steps 4, 6, 7, 8 with a limit of 3: step 4 is skipped, weights and optimizer state
     untouched; 6-8 stop the run with a checkpoint of the state after step 5."""
     states = {}
-    real_step = Trainer.train_step
+    real_step = DrafterStep.__call__
 
     def watched_step(self, batches):
-        states[self.step] = snapshot(self)  # state before step self.step + 1
+        states[len(states)] = snapshot(self)  # state before step len(states) + 1 (a run from scratch)
         return real_step(self, batches)
 
-    monkeypatch.setattr(Trainer, "train_step", watched_step)
+    monkeypatch.setattr(DrafterStep, "__call__", watched_step)
     assert cli.main(train_args(tmp_path, "train.max_steps=20", "train.max_consecutive_skips=3",
                                "faults.nan_at_steps=[4, 6, 7, 8]")) == 1
     said = capsys.readouterr()
@@ -260,13 +256,13 @@ def ckpt_state(path: Path) -> tuple[dict, dict]:
 @pytest.mark.parametrize("kind", ["runtime", "oom"])
 def test_target_failure_skips_the_batch_and_training_continues(tmp_path, monkeypatch, capsys, kind):
     states = {}
-    real_step = Trainer.train_step
+    real_step = DrafterStep.__call__
 
     def watched_step(self, batches):
-        states[self.step] = snapshot(self)
+        states[len(states)] = snapshot(self)  # state before step len(states) + 1
         return real_step(self, batches)
 
-    monkeypatch.setattr(Trainer, "train_step", watched_step)
+    monkeypatch.setattr(DrafterStep, "__call__", watched_step)
     assert cli.main(train_args(tmp_path, "train.max_steps=8", "faults.target_error_at_steps=[3]",
                                f"faults.target_error={kind}")) == 0
     out = capsys.readouterr().out
@@ -284,21 +280,21 @@ def test_target_failure_skips_the_batch_and_training_continues(tmp_path, monkeyp
 def test_target_failure_of_one_micro_batch_keeps_the_others(tmp_path, monkeypatch):
     """grad_accum 2: the first micro-batch of step 2 fails, the second still trains."""
     cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=3", "train.grad_accum=2"])
-    trainer = Trainer(cfg, log=lambda *_: None)
-    real_capture = trainer.target.capture
+    run = build(cfg, log=lambda *_: None)
+    real_capture = run.producer.target.capture
     calls = []
 
     def capture(ids):
-        calls.append(trainer.step)
+        calls.append(run.steps_done)
         if len(calls) == 3:  # step 2, micro-batch 0
             raise torch.OutOfMemoryError("out of memory on an unusual shape")
         return real_capture(ids)
 
-    monkeypatch.setattr(trainer.target, "capture", capture)
-    trainer.run()
+    monkeypatch.setattr(run.producer.target, "capture", capture)
+    train_drafter(run)
     rows = records(tmp_path)
     assert [r["skipped_batches"] for r in rows] == [0, 1, 0] and [r["skipped_steps"] for r in rows] == [0, 0, 0]
-    assert trainer.consecutive_failures == 0
+    assert run.control.failure_streak == 0
 
 
 def test_repeated_target_failures_stop_the_run_cleanly(tmp_path, capsys):

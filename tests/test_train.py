@@ -16,15 +16,10 @@ import torch
 
 from dflash_train import cli
 from dflash_train.config import load_config
-from dflash_train.train import Trainer, TrainingStopped
+from dflash_train.control import TrainingStopped
+from dflash_train.train import build, train_drafter
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
-
-
-def losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+from conftest import ROOT, TINY, losses
 
 
 def train_cmd(out: Path, *overrides: str) -> list[str]:
@@ -97,39 +92,39 @@ def test_corrupted_newest_checkpoint_falls_back(tmp_path, capsys):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-    import dflash_train.train as train_module
+    import dflash_train.step as step_module
 
     cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3"])
-    trainer = Trainer(cfg)
-    real_loss = train_module.block_loss
+    run = build(cfg)
+    real_loss = step_module.block_loss
     poisoned = {4, 6, 7, 8}  # optimizer steps (1-based) whose loss turns NaN
     snapshots = {}
 
     def loss_with_nan(*args, **kwargs):
         out = real_loss(*args, **kwargs)
-        if trainer.step + 1 in poisoned:
+        if run.steps_done + 1 in poisoned:
             out.loss_sum = out.loss_sum * float("nan")
         return out
 
-    real_step = trainer.train_step
+    real_step = step_module.DrafterStep.__call__
 
     def copy_state():
-        return ({k: v.clone() for k, v in trainer.drafter.state_dict().items()},
+        return ({k: v.clone() for k, v in run.step.drafter.state_dict().items()},
                 {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
-                 for k, s in trainer.optimizer.state_dict()["state"].items()})
+                 for k, s in run.step.optimizer.state_dict()["state"].items()})
 
-    def watched_step(batches):
-        if trainer.step + 1 == 4:
+    def watched_step(self, batches):
+        if run.steps_done + 1 == 4:
             snapshots["before"] = copy_state()
-        result = real_step(batches)
-        if trainer.step + 1 == 4:
+        result = real_step(self, batches)
+        if run.steps_done + 1 == 4:
             snapshots["after"] = copy_state()
         return result
 
-    monkeypatch.setattr(train_module, "block_loss", loss_with_nan)
-    monkeypatch.setattr(trainer, "train_step", watched_step)
+    monkeypatch.setattr(step_module, "block_loss", loss_with_nan)
+    monkeypatch.setattr(step_module.DrafterStep, "__call__", watched_step)
     with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
-        trainer.run()
+        train_drafter(run)
     before, after = snapshots["before"], snapshots["after"]
     for k, v in before[0].items():
         assert torch.equal(v, after[0][k]), k

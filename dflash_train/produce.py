@@ -1,0 +1,226 @@
+"""The target side of a step: a data batch -> target capture -> pack -> noise -> one `Shipment`.
+
+Owns `Shipment`, the one form in which a micro-batch reaches the drafter step, whether it was
+made in the same process (colocated) or received from a target rank (transport.py); `pack`,
+which drops the padding of a target batch and lays its rows end to end; `SidePacker`, which runs
+`pack` on a side CUDA stream; `FeatureNoise`, the training noise on the target's features and
+its random stream; and `Producer`, which turns a global micro-batch index into its shipment.
+
+Feature noise is drawn here only, from a generator that is a pure function of (seed, global
+micro-batch index), so any rank that handles micro-batch g, and a resumed run, draws the same
+noise. With split fc layers (`topology.split_fc`) the tapped layers travel unconcatenated and
+`context_features` concatenates and noises them on the drafter's side, with the same generator:
+the same numbers either way.
+
+Shape legend: b rows, L padded length, T packed tokens (data.token_budget), F = n*H concatenated
+tap width, H one tap's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.masks import step_generator
+
+NOISE_STREAM = 0  # masks.ANCHOR_STREAM is the other stream of a micro-batch
+
+
+def add_feature_noise(
+    features: torch.Tensor, kind: str, std: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Training-only regulariser on captured target features: U[-std, std] ("uniform") or
+    N(0, std^2) ("gaussian"); "none" or std == 0 returns the input unchanged."""
+    if kind == "none" or std == 0:
+        return features
+    if kind == "uniform":
+        noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
+        noise = (noise * 2.0 - 1.0) * std
+    elif kind == "gaussian":
+        noise = torch.randn(features.shape, generator=generator, device=features.device, dtype=torch.float32) * std
+    else:
+        raise ValueError(f"noise kind must be 'uniform', 'gaussian' or 'none', got {kind!r}")
+    return features + noise.to(features.dtype)
+
+
+@dataclass(frozen=True)
+class FeatureNoise:
+    """`objective.noise` on the [T, F] features of global micro-batch `index`."""
+
+    kind: str
+    std: float
+    seed: int
+    device: torch.device
+
+    def __call__(self, features_TF: torch.Tensor, index: int) -> torch.Tensor:
+        if self.kind == "none" or self.std == 0:
+            return features_TF
+        generator = step_generator(self.seed, index, NOISE_STREAM, device=self.device)
+        return add_feature_noise(features_TF, self.kind, self.std, generator)
+
+
+@dataclass
+class Shipment:
+    """One packed micro-batch as the drafter step consumes it (device tensors, except the
+    statistics), or, when the target forward raised on it, a failed one without tensors."""
+
+    index: int  # global micro-batch index g
+    failed: bool  # the target forward raised on this batch: nothing to train on
+    features: torch.Tensor | list[torch.Tensor] | None  # [T, F] noised, or per tap [T, H] (split fc)
+    input_ids_T: torch.Tensor | None = None
+    loss_mask_T: torch.Tensor | None = None  # bool
+    labels_T: torch.Tensor | None = None  # what the drafter must produce at each position
+    doc_lengths: torch.Tensor | None = None  # one document per batch row
+    num_tokens: int = 0  # real packed tokens (before padding up to T)
+    padded_tokens: int = 0  # rows x L of the target batch
+    rows: int = 0
+    sum_seq_len: int = 0
+    max_seq_len: int = 0
+    epoch: int = 0
+    sender_wait_us: int = 0  # the producing target rank's cumulative send wait (transport.py)
+
+    @classmethod
+    def failure(cls, index: int, batch) -> "Shipment":
+        return cls(index, True, None, **batch_stats(batch))
+
+
+def batch_stats(batch) -> dict:
+    """The statistics of a target batch that travel with its shipment (host integers)."""
+    return dict(padded_tokens=batch.input_ids.numel(), rows=batch.batch_size, epoch=batch.epoch,
+                sum_seq_len=int(batch.lengths.sum()), max_seq_len=batch.max_seq_len)
+
+
+def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:
+    """Flat indices of the real tokens of a right-padded [b, padded_len] batch (host-side)."""
+    return torch.cat([torch.arange(r * padded_len, r * padded_len + n) for r, n in enumerate(lengths)])
+
+
+def pack(batch, index: int, features_bLF, greedy_bL: torch.Tensor | None, pad_to: int,
+         noise: FeatureNoise | None) -> Shipment:
+    """Drop the padding of `batch` (global micro-batch `index`), lay its rows end to end in
+    one packed row padded with zeros to `pad_to` tokens (at least the real count; the producer
+    passes the token budget, so every packed row has one shape), and add `noise` to the
+    features. `features_bLF` may be a list of per-tap [b, L, H] tensors (split fc layers): each
+    is packed alone and no noise is added (`context_features` adds it on the drafter side)."""
+    split = isinstance(features_bLF, (list, tuple))
+    parts = list(features_bLF) if split else [features_bLF]
+    device = parts[0].device
+    b, L, _ = parts[0].shape
+    lengths = batch.lengths.tolist()
+    flat = pack_index(lengths, L).to(device, non_blocking=True)
+    T = flat.numel()
+    T_pad = max(T, pad_to)
+    packed_parts = []
+    for part in parts:
+        F = part.shape[-1]
+        feats = torch.zeros(T_pad, F, dtype=part.dtype, device=device)
+        feats[:T] = part.reshape(b * L, F).index_select(0, flat)
+        packed_parts.append(feats)
+    feats = packed_parts if split or noise is None else noise(packed_parts[0], index)
+    input_ids_bL = batch.input_ids.to(device, non_blocking=True)
+    ids = torch.zeros(T_pad, dtype=torch.long, device=device)
+    ids[:T] = input_ids_bL.reshape(-1).index_select(0, flat)
+    mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
+    mask[:T] = batch.loss_mask.to(device, non_blocking=True).reshape(-1).to(torch.bool).index_select(0, flat)
+    if greedy_bL is None:
+        labels = ids
+    else:
+        # The target's prediction for position p is its argmax at p - 1 (same row).
+        shifted = torch.cat([input_ids_bL[:, :1], greedy_bL[:, :-1]], dim=1)
+        labels = torch.zeros_like(ids)
+        labels[:T] = shifted.reshape(-1).index_select(0, flat)
+    doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    return Shipment(index, False, feats, ids, mask, labels, doc_lengths, num_tokens=T, **batch_stats(batch))
+
+
+def context_features(shipment: Shipment, noise: FeatureNoise) -> torch.Tensor:
+    """The drafter's [T, F] context features of a shipment: as shipped, or (split fc layers) the
+    per-tap tensors concatenated, then noised exactly as `pack` would have on the target side
+    (same shape, same generator)."""
+    if not isinstance(shipment.features, (list, tuple)):
+        return shipment.features
+    return noise(torch.cat(list(shipment.features), dim=-1), shipment.index)
+
+
+class SidePacker:
+    """Runs `pack` on a side CUDA stream (a plain call on CPU).
+
+    Stream safety: the side stream waits for the producer of the features; the consumer stream
+    waits for the side stream; inputs are recorded on the side stream and outputs on the
+    consumer stream, so the caching allocator never hands their memory to other work while a
+    stream that uses them is still running.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __call__(self, batch, index: int, features_bLF, greedy_bL, pad_to: int, noise: FeatureNoise | None) -> Shipment:
+        if self.stream is None:
+            return pack(batch, index, features_bLF, greedy_bL, pad_to, noise)
+        parts = list(features_bLF) if isinstance(features_bLF, (list, tuple)) else [features_bLF]
+        main = torch.cuda.current_stream(parts[0].device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            for t in (*parts, greedy_bL):
+                if t is not None:
+                    t.record_stream(self.stream)
+            shipment = pack(batch, index, features_bLF, greedy_bL, pad_to, noise)
+        main.wait_stream(self.stream)
+        out_feats = shipment.features if isinstance(shipment.features, list) else [shipment.features]
+        for t in (*out_feats, shipment.input_ids_T, shipment.loss_mask_T, shipment.labels_T, shipment.doc_lengths):
+            t.record_stream(main)
+        return shipment
+
+
+class Producer:
+    """The target role of one rank: global micro-batch index -> its `Shipment`.
+
+    `target` is anything with `capture(ids, concat=True) -> (features, greedy or None)` (target.
+    Target; benchmarks pass stand-ins). A target forward that raises (out of memory on an unusual
+    shape, ...) yields a failed shipment: logged with the batch's shape, counted by the drafter
+    step that consumes it. The data position moves past it, so a resumed run skips it too."""
+
+    def __init__(self, target, stream, *, device: torch.device, noise: FeatureNoise, split_fc: bool,
+                 pad_to: int, micro_per_step: int, faults, timer, log) -> None:
+        self.target, self.stream, self.device = target, stream, device
+        self.noise, self.split_fc, self.pad_to = noise, split_fc, pad_to
+        self.micro_per_step = micro_per_step
+        self.faults, self.timer, self.log = faults, timer, log
+        self.packer = SidePacker(device)
+
+    def __call__(self, index: int) -> Shipment:
+        self.timer.mark("data")
+        return self.produce(index, self.stream[index])
+
+    def produce(self, index: int, batch) -> Shipment:
+        self.timer.mark("target")
+        captured = self.capture(index, batch)
+        if captured is None:
+            return Shipment.failure(index, batch)
+        features, greedy = captured
+        self.timer.mark("pack")
+        return self.packer(batch, index, features, greedy, self.pad_to, None if self.split_fc else self.noise)
+
+    def capture(self, index: int, batch):
+        step = index // self.micro_per_step + 1  # the 1-based optimizer step that trains on it
+        try:
+            self.faults.target_forward(step)
+            ids = batch.input_ids.to(self.device, non_blocking=True)
+            captured = self.target.capture(ids, concat=False) if self.split_fc else self.target.capture(ids)
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            failure = f"{type(err).__name__}: {err}"
+        else:
+            return captured
+        # Outside the except block: the traceback (and the tensors its frames hold) is gone.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.log(f"step {step}: target forward failed on batch of shape {tuple(batch.input_ids.shape)}: "
+                 f"{failure}; batch skipped")
+        return None
+
+    def warm_up(self, shapes: list[tuple[int, int]]) -> None:
+        """The target once on every bucket's largest shape: on CUDA, allocator, kernels (and
+        compiled graphs) and any out-of-memory surface before the first step."""
+        for rows, length in shapes:
+            self.target.capture(torch.zeros(rows, length, dtype=torch.long, device=self.device))
