@@ -205,23 +205,39 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.reshape(R, Hq, Q, D).transpose(1, 2), None
 
 
+CAUSAL_ATTENTION = "dflash_causal_sdpa"
+
+
+def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The prefill's attention, registered as CAUSAL_ATTENTION: queries and keys are the same
+    right-padded positions 0..P-1 of each row, so plain causal attention is the position mask
+    (a real token never reaches padding, which lies after it), computed by SDPA's causal kernels
+    with grouped heads and no mask tensor ([R, 1, P, P] masks cost more than the attention)."""
+    enable_gqa = key.shape[1] != query.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=enable_gqa)
+    return out.transpose(1, 2), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, sdpa_mask)  # never used: masks come prepared
+    # CAUSAL_ATTENTION has no mask function: transformers then makes no mask and passes None.
+    AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
 
 
 class _Attention:
-    """Within the block, the model's layers use grouped_attention (restored after)."""
+    """Within the block, the model's layers use `implementation` (restored after)."""
 
-    def __init__(self, model) -> None:
-        self.config = model.config
+    def __init__(self, model, implementation: str = GROUPED_ATTENTION) -> None:
+        self.config, self.implementation = model.config, implementation
 
     def __enter__(self) -> None:
         self.previous = self.config._attn_implementation
-        self.config._attn_implementation = GROUPED_ATTENTION
+        self.config._attn_implementation = self.implementation
 
     def __exit__(self, *exc) -> None:
         self.config._attn_implementation = self.previous
@@ -382,13 +398,15 @@ class TargetSteps:
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def _forward(self, ids_RQ, pos_RQ, width: int, row_index=None, logits_to_keep=0):
+    def _forward(self, ids_RQ, pos_RQ, width: int, row_index=None, logits_to_keep=0, causal: bool = False):
         """Padding tokens (position -1) write to the trash column and query as position 0, so
-        that they see one key and stay finite; nothing reads what they produce."""
+        that they see one key and stay finite; nothing reads what they produce. `causal`: the
+        queries are positions 0..width-1 of every row (a prefill), attended causally with no
+        mask tensor (not for sliding-window targets)."""
         self.cache.bind(torch.where(pos_RQ < 0, self.cache.trash, pos_RQ), width, row_index)
         pos_RQ = pos_RQ.clamp(min=0)
-        mask = target_masks(self.model.config, pos_RQ, width)
-        with _Attention(self.model):
+        mask = None if causal else target_masks(self.model.config, pos_RQ, width)
+        with _Attention(self.model, CAUSAL_ATTENTION if causal else GROUPED_ATTENTION):
             return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask,
                               past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
 
@@ -408,7 +426,8 @@ class TargetSteps:
         pos_RP = torch.where(pos_RP <= last, pos_RP, -1)  # padding: written to the trash column
         # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
         keep = sorted(set((lengths - 1).tolist()))
-        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=torch.tensor(keep, device=self.device))
+        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=torch.tensor(keep, device=self.device),
+                               causal=not has_sliding_layers(self.model.config))
         pick_R = torch.tensor([keep.index(int(n) - 1) for n in lengths.tolist()], device=self.device)
         logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
         first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]

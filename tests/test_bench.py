@@ -223,3 +223,21 @@ def test_every_workload_has_a_valid_config_and_target_shape(name):
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(config, key) == wl.target[key], key
     assert cfg.drafter.mask_token_id < config.vocab_size
+
+
+def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, capsys):
+    """`bench --workload decode` on CPU with the tiny target: one regeneration entry per row
+    count (eager only: no graphs on a CPU), the batch-1 figures, the JSON object last and in
+    --output."""
+    out = tmp_path / "decode.json"
+    argv = ["bench", "--workload", "decode", "--target", "bundled:tiny-random-llama", "--rows", "1,3",
+            "--new-tokens", "6", "--device", "cpu", "--output", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report == json.loads(out.read_text())
+    assert report["workload"] == "decode" and report["device"] == "cpu"
+    assert [(e["rows"], e["graphs"]) for e in report["regeneration"]] == [(1, False), (3, False)]
+    for entry in report["regeneration"]:
+        assert entry["tokens"] == 6 * max(2, 2 * entry["rows"]) and entry["tokens_per_s"] > 0
+    (one,) = report["batch_one"]
+    assert one["target_ms_per_token"] > 0 and one["cycle_in_target_steps"] > 0 and one["graphs_captured"] == 0

@@ -225,3 +225,15 @@ def test_resume_after_a_kill_mid_file(tmp_path, tiny_target):
     resumed = run([src], tiny_target, out, batch_size=2)
     assert resumed["num_resumed"] == written.count(b"\n")
     assert out.read_text() == whole.read_text()
+
+
+def test_progress_is_reported_while_an_early_conversation_still_runs(tmp_path, tiny_target):
+    """Progress lines come every `progress_every_s` from the scheduler, not only when a line is
+    written: a long first conversation holds back the writing, not the report."""
+    long_first = {"id": "long", "conversations": [{"from": "human", "value": "go"}, {"from": "gpt", "value": "x"}] * 6}
+    src = write_jsonl(tmp_path / "in.jsonl", [long_first] + SHAREGPT[:6])
+    lines: list[str] = []
+    summary = run([src], tiny_target, tmp_path / "out.jsonl", batch_size=3, log=lines.append, progress_every_s=0)
+    progress = [line for line in lines if line.startswith("data regenerate: ") and "tokens/s" in line]
+    assert any("(0 written)" in line and not line.startswith("data regenerate: 0/") for line in progress), progress
+    assert progress[-1].startswith("data regenerate: 7/7 records (7 written)") and summary["num_turns"] == 18
