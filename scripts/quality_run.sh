@@ -16,7 +16,9 @@
 #   MAX_NEW_TOKENS [320]                     longest regenerated response (a small model's greedy
 #                                            loops otherwise run to the 2048 default)
 #   MAX_PROMPT_LENGTH [1024]                 conversations are cut where a prompt grows past this
-#   REGEN_BATCH_SIZE [512]                   prompts per generate call (chunks are 4 batches)
+#   REGEN_BATCH_SIZE [512]                   turns decoded at once by the decoding engine (a finished
+#                                            row is refilled with the next waiting turn)
+#   REGEN_WORKERS [1]                        regeneration processes (one engine keeps a GPU busy)
 #   REGEN_ARGS []                            more `data regenerate` options (the smoke test samples:
 #                                            the random tiny target answers blank lines below T~5)
 #   TRAIN_STEPS [1500]  TRAIN_TIME_S [570]   training ends at whichever comes first; the LR
@@ -29,8 +31,7 @@
 #   EVAL_LIMIT [200]                         first N records of each prompt set
 #   EVAL_MAX_NEW_TOKENS [256]  SPEEDUP_TURNS [10]
 #   EVAL_BATCH_SIZE [32]                     prompts decoded together by each evaluation worker
-#   WORKERS [4]                              processes for regeneration and evaluation (spread
-#                                            over the visible GPUs)
+#   WORKERS [4]                              evaluation processes (spread over the visible GPUs)
 #   DEVICE [auto]  OUT [runs/quality]  PYTHON [.venv/bin/python if present, else python3]
 # The package is run as `python -m dflash_train.cli` with this checkout on PYTHONPATH, so an
 # installed `dflash-train` is not needed.
@@ -46,6 +47,7 @@ NUM_RECORDS="${NUM_RECORDS:-4096}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-320}"
 MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1024}"
 REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-512}"
+REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
 TRAIN_STEPS="${TRAIN_STEPS:-1500}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-570}"
@@ -82,7 +84,7 @@ if (( have < NUM_RECORDS )); then
   stage regenerate "${CLI[@]}" data regenerate --data "$DATA" --target "$TARGET" --out "$REGEN" \
     --limit "$((NUM_RECORDS - have))" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-length "$MAX_PROMPT_LENGTH" \
     --batch-size "$REGEN_BATCH_SIZE" \
-    --workers "$WORKERS" --device "$DEVICE" $REGEN_ARGS  # shellcheck disable=SC2086
+    --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS  # shellcheck disable=SC2086
 else
   echo "== regenerate: $REGEN already holds $have records"; SECONDS_OF[regenerate]=0
 fi
@@ -108,7 +110,7 @@ cat > "$OUT/timings.json" <<JSON
  "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "max_prompt_length": $MAX_PROMPT_LENGTH,
  "train_steps": $TRAIN_STEPS, "train_gpus": $TRAIN_GPUS, "train_args": "$TRAIN_ARGS",
  "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS, "eval_batch_size": $EVAL_BATCH_SIZE,
- "workers": $WORKERS, "device": "$DEVICE"}
+ "workers": $WORKERS, "regen_workers": $REGEN_WORKERS, "device": "$DEVICE"}
 JSON
 echo "== timings: regenerate ${SECONDS_OF[regenerate]} s, train ${SECONDS_OF[train]} s, eval ${SECONDS_OF[eval]} s"
 echo "== wrote $OUT/eval.json, $OUT/eval.md, $OUT/eval.png, $OUT/timings.json"
