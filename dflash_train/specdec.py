@@ -16,7 +16,7 @@ turn's mean) and the histogram of acceptance lengths 1..B. The acceptance count 
 
 Both decoders run on decode.py's engine (`Decoder`: static position-addressed caches, shape
 buckets, CUDA graphs on a GPU, eager on CPU), built once per process and reused across prompts.
-Token choice is `decode.choose`: the token committed at position p is always the target's own
+Token choice is `sampling.choose`: the token committed at position p is always the target's own
 choice at p (argmax, or the sample drawn at the position-hashed uniform number of (seed, p)),
 conditioned on the committed prefix; proposals only decide how many of those one verify
 forward yields. So at T = 0 the output is the target's greedy output, and at T > 0 target-only
@@ -35,10 +35,11 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_train.decode import (Graphs, SlotDecoder, StaticCache, TargetSteps, causal_position_mask, choose,
-                                 pick, row_buckets, width_buckets)
+from dflash_train.decode import (Graphs, SlotDecoder, StaticCache, TargetSteps, causal_position_mask, pick,
+                                 row_buckets, width_buckets)
 from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.loss import accepted_run_length
+from dflash_train.sampling import choose
 from dflash_train.target import LayerTaps
 
 
@@ -47,7 +48,7 @@ from dflash_train.target import LayerTaps
 
 def choose_tokens(logits_QV: torch.Tensor, positions: Sequence[int], temperature: float, seed: int,
                   top_p: float = 1.0) -> torch.Tensor:
-    """decode.choose for the logits [Q, V] of one sequence whose tokens are chosen at
+    """sampling.choose for the logits [Q, V] of one sequence whose tokens are chosen at
     `positions` (logits at position q choose the token at q + 1), with one seed."""
     pos = torch.as_tensor(list(positions), dtype=torch.long, device=logits_QV.device)[None]
     seeds = torch.tensor([int(seed)], device=logits_QV.device)

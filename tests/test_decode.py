@@ -1,4 +1,4 @@
-"""The decoding engine (decode.py): token choice, buckets, the static cache, continuous
+"""The decoding engine (decode.py) and its token choice (sampling.py): token choice, buckets, the static cache, continuous
 batching against transformers' own greedy generation, and (on a CUDA machine only) captured
 CUDA graphs against eager runs of the same steps."""
 
@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
-from dflash_train.decode import (SlotDecoder, StaticCache, TargetSteps, choose, pick, position_uniform, row_buckets,
-                                 width_buckets)
+from dflash_train.decode import SlotDecoder, StaticCache, TargetSteps, pick, row_buckets, width_buckets
+from dflash_train.sampling import choose, position_uniform
 from dflash_train.specdec import Decoder, DFlashProposer
 
 VOCAB = 128
