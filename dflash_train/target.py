@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_train.config import BUNDLED_TARGET, TINY_TARGET, ConfigError
+from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, ConfigError
 
 
 def resolve_target_path(path: str) -> Path:
@@ -32,6 +32,10 @@ def resolve_target_path(path: str) -> Path:
         from dflash_train.assets import tiny_random_target_dir
 
         return tiny_random_target_dir()
+    if path == QWEN_CODER_TARGET:
+        from dflash_train.assets import qwen2_5_coder_dir
+
+        return qwen2_5_coder_dir()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
