@@ -370,6 +370,14 @@ class Decoder:
 
     # ----------------------------------------------------------------------- speculative
 
+    def _leave(self, rows: list[int], live: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Finished rows leave: the live batch indices `live` move into the lowest slots of both
+        caches. Returns the live rows' prompt indices and `live` as a device index."""
+        index = torch.tensor(live, device=self.device)
+        _keep_slots(self.target.cache, index)
+        self.proposer.keep_rows(index)
+        return [rows[i] for i in live], index
+
     def _cycle_fn(self, width: int):
         """One speculative cycle of the DFlash proposer as one step function (one graph per row
         and width bucket): the drafter's block step, the verify step, and what the next cycle
@@ -395,14 +403,11 @@ class Decoder:
         context_len_R = anchor_R.clone()
         rows = list(range(len(outs)))
         while True:
-            live = [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+            live = _live(rows, outs, stop, max_new_tokens)
             if not live:
                 break
             if len(live) < len(rows):
-                index = torch.tensor(live, device=device)
-                _keep_slots(target.cache, index)
-                proposer.keep_rows(index)
-                rows = [rows[i] for i in live]
+                rows, index = self._leave(rows, live)
                 token_R, anchor_R, context_len_R, seeds_R, context_RTF = (
                     t.index_select(0, index) for t in (token_R, anchor_R, context_len_R, seeds_R, context_RTF))
             R = len(rows)
@@ -419,12 +424,7 @@ class Decoder:
                     t[:R] for t in target.graphs.run(("cycle", Rb, W), self._cycle_fn(W), *inputs))
             context_RTF = feats
             # The cycle's one host sync: every row's acceptance count and the target's tokens.
-            for r, (acc, *chosen) in zip(rows, packet.tolist()):
-                committed = chosen[: acc + 1]  # accepted proposals == target tokens, + bonus
-                keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
-                keep = min(keep, max_new_tokens - len(outs[r]))
-                outs[r].extend(committed[:keep])
-                accepted[r].append(keep)
+            _commit(rows, packet.tolist(), outs, accepted, stop, max_new_tokens)
         _sync(device)
         seconds = time.perf_counter() - started - (self.capture_seconds - captured)
         return [Generation(o, a, o[-1] in stop, seconds) for o, a in zip(outs, accepted)]
@@ -469,14 +469,11 @@ class Decoder:
         k_B = torch.arange(B, device=device)
         rows = list(range(R))  # the prompt of each live row (live rows sit in slots 0..n-1)
         while True:
-            live = [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+            live = _live(rows, outs, stop, max_new_tokens)
             if not live:
                 break
             if len(live) < len(rows):
-                index = torch.tensor(live, device=device)
-                _keep_slots(self.target.cache, index)
-                proposer.keep_rows(index)
-                rows = [rows[i] for i in live]
+                rows, index = self._leave(rows, live)
                 seq_RS, anchor_R, context_len_R, seeds_R = (t.index_select(0, index)
                                                             for t in (seq_RS, anchor_R, context_len_R, seeds_R))
                 context_RTF = None if context_RTF is None else context_RTF.index_select(0, index)
@@ -487,12 +484,7 @@ class Decoder:
             chosen_RB, acc_R, features = self.target.verify(block_RB, pos_RB, seeds_R, max(anchors) + B - 1)
             # The cycle's one host sync: every row's acceptance count and the target's tokens.
             host = torch.cat([acc_R[:, None], chosen_RB], dim=1).tolist()
-            for r, (acc, *chosen) in zip(rows, host):
-                committed = chosen[: acc + 1]  # accepted proposals == target tokens, + bonus
-                keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
-                keep = min(keep, max_new_tokens - len(outs[r]))
-                outs[r].extend(committed[:keep])
-                accepted[r].append(keep)
+            _commit(rows, host, outs, accepted, stop, max_new_tokens)
             # Positions anchor .. anchor+acc of each row are committed; their features are the
             # next context. Tokens written past that are overwritten before they are read.
             context_RTF = None if self.taps is None or not self.taps.layer_ids else features
@@ -502,6 +494,23 @@ class Decoder:
         _sync(device)
         seconds = time.perf_counter() - started - (self.capture_seconds - captured)
         return [Generation(outs[r], accepted[r], outs[r][-1] in stop, seconds) for r in range(R)]
+
+
+def _live(rows: list[int], outs: list[list[int]], stop: set[int], max_new_tokens: int) -> list[int]:
+    """Batch indices of the rows that go on: last token not a stop token, budget not spent."""
+    return [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+
+
+def _commit(rows: list[int], packets: list[list[int]], outs, accepted, stop: set[int], max_new_tokens: int) -> None:
+    """Book one cycle of every row from its packet [acc, target tokens...]: the accepted
+    proposals (equal to the target's tokens) and the target's bonus token, cut after a stop
+    token or at the budget; the acceptance length is what was kept."""
+    for r, (acc, *chosen) in zip(rows, packets):
+        committed = chosen[: acc + 1]
+        keep = next((i + 1 for i, t in enumerate(committed) if t in stop), len(committed))
+        keep = min(keep, max_new_tokens - len(outs[r]))
+        outs[r].extend(committed[:keep])
+        accepted[r].append(keep)
 
 
 # --------------------------------------------------------------------------- one-call forms
