@@ -149,8 +149,9 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
     if head_out is not None and head_out.is_floating_point():
         # Position p gets the state at p - 1 (same row), which predicts token p; a document's
         # first position is never a block target and gets its own state.
+        previous = previous_index(lengths, L).to(device, non_blocking=True)
         target_hidden = torch.zeros(T_pad, head_out.shape[-1], dtype=head_out.dtype, device=device)
-        target_hidden[:T] = head_out.reshape(b * L, -1).index_select(0, previous_index(lengths, L).to(device))
+        target_hidden[:T] = head_out.reshape(b * L, -1).index_select(0, previous)
     doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
     return Shipment(index, False, feats, ids, mask, labels, doc_lengths, target_hidden, num_tokens=T,
                     **batch_stats(batch))

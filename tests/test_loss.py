@@ -74,20 +74,28 @@ def test_loss_preds_and_gradient_equal_full_logits_reference(dtype):
         assert torch.equal(preds, ref_preds)
 
 
-def test_compiled_chunks_equal_eager():
+@pytest.mark.parametrize("soft", [False, True])
+def test_compiled_chunks_equal_eager(soft):
     """The torch.compile path (train.compile on CUDA) against the eager one, on CPU: padded
-    last chunk, loss, predictions and gradient. Skipped without a C++ compiler."""
+    last chunk, loss, predictions and gradient, with hard labels and with distillation (the
+    target's states). Skipped without a C++ compiler."""
     import shutil
 
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     B = 4
-    hidden, weight, labels, valid = _case(seed=13, N=7, B=B, H=32, V=300)
+    if soft:
+        hidden, weight, labels, valid, target = _soft_case(23, N=7)
+        target = target.float()
+    else:
+        hidden, weight, labels, valid = _case(seed=13, N=7, B=B, H=32, V=300)
+        target = None
     hidden, weight = hidden.float(), weight.float()
     outs = []
     for compile in (False, True):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile)  # 12 + 12 + 4
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile,  # 12 + 12 + 4
+                         target_hidden_MH=target)
         out.loss_sum.backward()
         outs.append((out, h.grad))
     (eager, g_eager), (comp, g_comp) = outs
@@ -96,14 +104,23 @@ def test_compiled_chunks_equal_eager():
     assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
 
 
-def test_chunked_and_unchunked_agree():
+@pytest.mark.parametrize("soft,weighting", [(False, "decay"), (False, "dpace"), (True, "decay"), (True, "dpace")])
+def test_chunked_and_unchunked_agree(soft, weighting):
+    """Loss and gradient do not depend on the chunk size: hard labels and distillation, the
+    decay and D-PACE (whose weights come from the whole block, across chunk boundaries)."""
     B = 4
-    hidden, weight, labels, valid = _case(seed=3, N=9, B=B)
+    if soft:
+        hidden, weight, labels, valid, target = _soft_case(19)
+        target = target.float()
+    else:
+        hidden, weight, labels, valid = _case(seed=3, N=9, B=B)
+        target = None
     hidden, weight = hidden.float(), weight.float()
     grads, losses = [], []
     for chunk in (1, 7, 4096):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk)
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0 if weighting == "decay" else None, chunk_rows=chunk,
+                         target_hidden_MH=target, weighting=weighting)
         (out.loss() * 3.0).backward()
         losses.append(out.loss().detach())
         grads.append(h.grad)
@@ -215,46 +232,6 @@ def test_soft_label_loss_equals_float64_reference():
     junk = block_loss(hidden, weight, torch.randint(0, 300, labels.shape), valid, B, gamma=gamma,
                       chunk_rows=16, target_hidden_MH=target)
     assert torch.equal(junk.loss_sum, out.loss_sum.detach()) and torch.equal(junk.correct_K, out.correct_K)
-
-
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_soft_label_chunked_and_unchunked_agree(weighting):
-    B = 4
-    hidden, weight, labels, valid, target = _soft_case(19)
-    hidden, weight, target = hidden.float(), weight.float(), target.float()
-    losses, grads = [], []
-    for chunk in (1, 7, hidden.shape[0]):
-        h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk, target_hidden_MH=target,
-                         weighting=weighting)
-        out.loss().backward()
-        losses.append(out.loss().detach())
-        grads.append(h.grad)
-    for loss, grad in zip(losses[1:], grads[1:]):
-        torch.testing.assert_close(loss, losses[0], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(grad, grads[0], atol=1e-6, rtol=1e-6)
-
-
-def test_compiled_soft_chunks_equal_eager():
-    """The compiled distillation chunk (train.compile on CUDA) against the eager one, on CPU."""
-    import shutil
-
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        pytest.skip("torch.compile on CPU needs a C++ compiler")
-    B = 4
-    hidden, weight, labels, valid, target = _soft_case(23, N=7)
-    hidden, weight, target = hidden.float(), weight.float(), target.float()
-    outs = []
-    for compile in (False, True):
-        h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile,
-                         target_hidden_MH=target)
-        out.loss_sum.backward()
-        outs.append((out, h.grad))
-    (eager, g_eager), (comp, g_comp) = outs
-    torch.testing.assert_close(comp.loss_sum, eager.loss_sum, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(g_comp, g_eager, atol=1e-5, rtol=1e-5)
-    assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
 
 
 # --------------------------------------------------------------------------- D-PACE weightings
