@@ -203,9 +203,10 @@ class Producer:
     """The target role of one rank: global micro-batch index -> its `Shipment`.
 
     `target` is anything with `capture(ids, concat=True) -> (features, None | greedy tokens |
-    final hidden state)` (target.Target; benchmarks pass stand-ins). A target forward that raises (out of memory on an unusual
-    shape, ...) yields a failed shipment: logged with the batch's shape, counted by the drafter
-    step that consumes it. The data position moves past it, so a resumed run skips it too."""
+    final hidden state)` (target.Target; benchmarks pass stand-ins). A target forward that
+    raises (out of memory on an unusual shape, ...) yields a failed shipment: logged with the
+    batch's shape, counted by the drafter step that consumes it. The data position moves past
+    it, so a resumed run skips it too."""
 
     def __init__(self, target, stream, *, device: torch.device, noise: FeatureNoise, split_fc: bool,
                  pad_to: int, micro_per_step: int, faults, timer, log) -> None:

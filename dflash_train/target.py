@@ -123,6 +123,8 @@ class Target:
     (target) or its final hidden state (distill)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], labels: str = "data") -> None:
+        if labels not in ("data", "target", "distill"):  # e.g. a bool (the former need_logits): loud, not silent
+            raise ValueError(f"labels must be objective.labels (data, target or distill), got {labels!r}")
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = [int(i) for i in layer_ids]
         self.labels = labels

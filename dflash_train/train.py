@@ -146,11 +146,11 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     under torchrun it is, by `topology`, a colocated data-parallel replica, a target rank or a
     drafter rank. Benchmarks (bench.py) replace the target folder and the chat data with
     `target_config` (a transformers config of the target's shape), `build_target(layer_ids,
-    labels)` (labels: objective.labels) and `dataset` (rows of input_ids, loss_mask, length); there is no tokenizer
-    then, so drafter.mask_token_id must be set, and a drafter rank of a disaggregated run calls
-    `build_heads()` (embedding and lm_head, as target.TargetHeads). `checkpointing=False`:
-    nothing is resumed or saved, on every rank alike. `dist`: this rank's Dist, when the caller
-    made it already (default: from torchrun's environment)."""
+    labels)` (labels: objective.labels) and `dataset` (rows of input_ids, loss_mask, length);
+    there is no tokenizer then, so drafter.mask_token_id must be set, and a drafter rank of a
+    disaggregated run calls `build_heads()` (embedding and lm_head, as target.TargetHeads).
+    `checkpointing=False`: nothing is resumed or saved, on every rank alike. `dist`: this rank's
+    Dist, when the caller made it already (default: from torchrun's environment)."""
     from transformers import AutoConfig, AutoTokenizer
 
     assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"

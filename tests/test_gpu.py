@@ -189,8 +189,8 @@ def test_compiled_target_layers_give_the_eager_features():
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
-    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
-    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], "data")
+    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], "data")
     compile_target_layers(compiled)
     for shape in ((2, 40), (3, 64), (2, 40)):  # a second shape, then the first again
         ids = torch.randint(0, 500, shape, device=device)
