@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_train.config import ConfigError, load_config
+from dflash_train.config import ConfigError, load_config, runs_whole_target
 from dflash_train.flops import Shape, WorkCounter, peak_flops, useful_flops
 from dflash_train.metrics import peak_memory_gib
 
@@ -149,11 +149,11 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype, seed: 
 
     from dflash_train.target import Target
 
-    def build(layer_ids: list[int], need_logits: bool) -> Target:
+    def build(layer_ids: list[int], labels: str) -> Target:
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return Target(model, layer_ids, need_logits)
+        return Target(model, layer_ids, labels)
 
     return build
 
@@ -274,9 +274,9 @@ def workload_config(workload: str, overrides: list[str], drafter_only: bool = Fa
         raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
     wl = WORKLOADS[workload]
     cfg = load_config(None, overrides, base=wl.settings)
-    if drafter_only and cfg.objective.labels == "target":
-        raise ConfigError(["--drafter-only runs no target, so objective.labels=target has no labels: "
-                           "drop one of the two"])
+    if drafter_only and cfg.objective.labels != "data":
+        raise ConfigError([f"--drafter-only runs no target, so objective.labels={cfg.objective.labels} has no "
+                           f"labels: drop one of the two"])
     if cfg.drafter.mask_token_id is None:
         raise ConfigError(["drafter.mask_token_id: synthetic data has no tokenizer to choose a mask token "
                            f"from; set it (below the target's vocabulary of {wl.target['vocab_size']})"])
@@ -298,7 +298,7 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
     config = target_config(wl)
     seed = cfg.train.seed
     if drafter_only:
-        target = lambda layer_ids, need_logits: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
+        target = lambda layer_ids, labels: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
     else:
         target = build_random_target(config, device, dtype, seed)
     # Built inside build(), after the rank's device is current: a bare "cuda" means that device.
@@ -360,9 +360,11 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
 
     d = run.step.drafter
     tc = config
-    target_layers = tc.num_hidden_layers if cfg.objective.labels == "target" else max(d.target_layer_ids) + 1
-    flops = useful_flops(work, Shape.of(tc), target_layers, cfg.objective.labels == "target", Shape.of(d.config),
-                         d.config.num_hidden_layers, len(d.target_layer_ids), target_ran=not drafter_only)
+    labels = cfg.objective.labels
+    target_layers = tc.num_hidden_layers if runs_whole_target(labels) else max(d.target_layer_ids) + 1
+    flops = useful_flops(work, Shape.of(tc), target_layers, labels == "target", Shape.of(d.config),
+                         d.config.num_hidden_layers, len(d.target_layer_ids), target_ran=not drafter_only,
+                         distill=labels == "distill")
     total_flops = sum(flops.values())
     peak = peak_flops(device, peak_tflops)
     stage_s = {k: v / num_steps for k, v in stage_total.items()}
@@ -478,10 +480,11 @@ def _drafter_side(run, config, num_warmup: int, num_steps: int, say) -> dict:
     work = counter.count(cfg.objective.num_anchors, loss_rows)
     counter.handle.remove()
     dr = run.step.drafter
-    target_layers = config.num_hidden_layers if cfg.objective.labels == "target" else max(dr.target_layer_ids) + 1
+    labels = cfg.objective.labels
+    target_layers = config.num_hidden_layers if runs_whole_target(labels) else max(dr.target_layer_ids) + 1
     # The target forward is counted from the samples this rank trained on, wherever it ran.
-    flops = useful_flops(work, Shape.of(config), target_layers, cfg.objective.labels == "target", Shape.of(dr.config),
-                         dr.config.num_hidden_layers, len(dr.target_layer_ids))
+    flops = useful_flops(work, Shape.of(config), target_layers, labels == "target", Shape.of(dr.config),
+                         dr.config.num_hidden_layers, len(dr.target_layer_ids), distill=labels == "distill")
     return {
         "wall_s": wall, "stage_s": {k: v / num_steps for k, v in stage_total.items()},
         "recv_wait_s_per_step": (receiver.wait_s - recv_wait) / num_steps if receiver is not None else None,

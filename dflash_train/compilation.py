@@ -8,7 +8,8 @@ Owns every torch.compile of training and benchmarks, decided from the config and
   handling (a second shape recompiles once, dynamic in the dimensions that changed).
 - the loss's per-chunk math (`train.compile`, CUDA only: there it is memory-bound passes over
   [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches); one graph per
-  chunk shape (loss.block_loss pads the last chunk), full graph.
+  chunk shape (loss.block_loss pads the last chunk) and kind (hard labels, distillation), full
+  graph.
 - the target's kept decoder layers (`target.compile`): each layer's forward only, so the
   hooks that tap its output run around it, eagerly; default shape handling, every bucket's
   shape seen during warm-up.
@@ -25,7 +26,7 @@ import torch
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function; a run sees a handful of shapes
 _flex = None
-_loss_chunk = None
+_loss_chunks: dict[bool, object] = {}  # hard labels / distillation -> compiled chunk
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,12 @@ def compile_target_layers(target) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
-def loss_chunk():
-    """The compiled per-chunk loss (`loss._chunk_loss`); block_loss(compile=True) calls it."""
-    global _loss_chunk
-    if _loss_chunk is None:
-        from dflash_train.loss import _chunk_loss
+def loss_chunk(soft: bool = False):
+    """The compiled per-chunk loss (`loss._chunk_loss`, or `loss._soft_chunk_loss` for
+    distillation); block_loss(compile=True) calls it."""
+    if soft not in _loss_chunks:
+        from dflash_train.loss import _chunk_loss, _soft_chunk_loss
 
         _raise_recompile_limit()
-        _loss_chunk = torch.compile(_chunk_loss, dynamic=False, fullgraph=True)
-    return _loss_chunk
+        _loss_chunks[soft] = torch.compile(_soft_chunk_loss if soft else _chunk_loss, dynamic=False, fullgraph=True)
+    return _loss_chunks[soft]

@@ -88,9 +88,21 @@ class ObjectiveSection:
     num_anchors: int = 512
     """Anchors (blocks) per document per step, at most."""
     gamma: float | None = None
-    """Loss decay over block positions; default by block size (16 -> 7, 10 -> 5, 8 -> 4)."""
-    labels: Literal["data", "target"] = "data"
-    """Train towards the data tokens (paper) or the target's own greedy predictions."""
+    """Loss decay over block positions (weighting=decay); default by block size (16 -> 7,
+    10 -> 5, 8 -> 4)."""
+    labels: Literal["data", "target", "distill"] = "data"
+    """Train towards the data tokens (paper), the target's own greedy predictions, or (distill)
+    the target's whole next-token distribution at each position: KL(target || drafter), the
+    target's logits recomputed in the loss from its final hidden state, which travels with the
+    batch ([T, H] in the target's dtype). target and distill run the whole target."""
+    weighting: Literal["decay", "dpace", "dpace_prefix", "dpace_continuation"] = "decay"
+    """Loss weight of block position k: decay = exp(-(k-1)/gamma), normalised by the weights'
+    sum (paper); dpace = D-PACE, per block from the drafter's own (detached) probability of
+    each label, smoothed s_j = (1 - dpace_alpha) q_j + dpace_alpha: w_k = sum over j >= k of
+    s_1...s_j, normalised by the number of supervised positions; dpace_prefix = s_1...s_k
+    alone; dpace_continuation = w_k / (s_1...s_k)."""
+    dpace_alpha: float = 0.5
+    """D-PACE confidence smoothing in [0, 1] (1: every s_j = 1, the weights ignore confidence)."""
     noise: Literal["uniform", "gaussian", "none"] = "uniform"
     noise_std: float = 0.05
     """Noise on captured target features during training (U[-std, std] or N(0, std^2))."""
@@ -487,6 +499,11 @@ def validate(cfg: Config) -> list[str]:
     if cfg.objective.noise_std < 0:
         p.append(f"objective.noise_std must be >= 0, got {cfg.objective.noise_std}")
     positive("objective.lm_head_chunk_rows", cfg.objective.lm_head_chunk_rows)
+    if not 0 <= cfg.objective.dpace_alpha <= 1:
+        p.append(f"objective.dpace_alpha must be in [0, 1], got {cfg.objective.dpace_alpha}")
+    if cfg.objective.weighting != "decay" and cfg.objective.gamma is not None:
+        p.append(f"objective.gamma is the decay of objective.weighting=decay; with weighting="
+                 f"{cfg.objective.weighting} it has no effect: remove it or set weighting=decay")
     positive("optim.lr", cfg.optim.lr)
     if not 0 <= cfg.optim.warmup_ratio < 1:
         p.append(f"optim.warmup_ratio must be in [0, 1), got {cfg.optim.warmup_ratio}")
@@ -534,12 +551,19 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"faults.{name} must hold optimizer steps >= 1, got {value}")
     if cfg.faults.delay_seconds < 0:
         p.append(f"faults.delay_seconds must be >= 0, got {cfg.faults.delay_seconds}")
-    if cfg.objective.gamma is None and cfg.drafter.block_size not in DEFAULT_GAMMA:
+    decay = cfg.objective.weighting == "decay"
+    if decay and cfg.objective.gamma is None and cfg.drafter.block_size not in DEFAULT_GAMMA:
         p.append(
             f"objective.gamma has no default for drafter.block_size={cfg.drafter.block_size} "
             f"(defaults exist for {', '.join(map(str, sorted(DEFAULT_GAMMA)))}): set objective.gamma"
         )
     return p
+
+
+def runs_whole_target(labels: str) -> bool:
+    """Whether objective.labels needs the target past its last tapped layer (its lm_head or
+    its final hidden state)."""
+    return labels in ("target", "distill")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -66,7 +66,8 @@ class WorkCount:
 
 
 def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_head: bool,
-                 drafter: Shape, drafter_layers: int, num_taps: int, target_ran: bool = True) -> dict[str, float]:
+                 drafter: Shape, drafter_layers: int, num_taps: int, target_ran: bool = True,
+                 distill: bool = False) -> dict[str, float]:
     """Useful FLOPs of the counted work, by component (matmuls only; 2 FLOPs per
     multiply-add). Padding tokens, padding blocks and masked-out attention pairs are not
     counted; frozen weights get no weight-gradient FLOPs.
@@ -78,7 +79,9 @@ def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_h
       rows, k/v linears on context + block rows, pair_flops per visible pair.
     - drafter_backward: twice the forward, except fc: its input (the target's features) needs
       no gradient, so only its weight gradient (1x) counts.
-    - lm_head: the frozen lm_head forward and its input gradient on loss rows, 4 * H * V each.
+    - lm_head: the frozen lm_head forward and its input gradient on loss rows, 4 * H * V each;
+      with distillation (`distill`) 2 * H * V more per loss row: the target's logits, recomputed
+      from its final hidden state.
     """
     t, d = target, drafter
     lengths = np.asarray(work.sample_lengths, dtype=np.float64)
@@ -95,7 +98,7 @@ def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_h
         "target_forward": target_fwd,
         "drafter_forward": drafter_fwd,
         "drafter_backward": 2.0 * (layers + attention) + fc,
-        "lm_head": 4.0 * d.hidden * d.vocab * work.loss_rows,
+        "lm_head": (6.0 if distill else 4.0) * d.hidden * d.vocab * work.loss_rows,
     }
 
 
@@ -114,13 +117,15 @@ def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, nu
 
 def wire_bytes(s) -> int:
     """Bytes of one shipment between ranks (transport.py's wire format): the header, and unless
-    the target failed, the features, the [3, T] int64 ids / loss mask / labels and the int64
-    document lengths."""
+    the target failed, the features (and with distillation the target's final hidden state),
+    the [3, T] int64 ids / loss mask / labels and the int64 document lengths."""
     from dflash_train.transport import HEADER_LEN
 
     total = 8 * HEADER_LEN
     if not s.failed:
         parts = s.features if isinstance(s.features, list) else [s.features]
+        if s.target_hidden_TH is not None:
+            parts = [*parts, s.target_hidden_TH]
         total += sum(p.numel() * p.element_size() for p in parts)
         total += 8 * (3 * s.input_ids_T.numel() + s.doc_lengths.numel())
     return total

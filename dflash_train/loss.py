@@ -1,15 +1,18 @@
 """The DFlash training objective and the acceptance count.
 
-Owns: the position-decayed cross-entropy over draft blocks with a chunked lm_head (full
-[rows, vocab] logits never exist at once), per-position accuracy, and `accepted_run_length`,
-the one definition of "how many proposals would be accepted" used by training metrics,
-evaluation and benchmarks.
+Owns: the per-row losses of draft blocks with a chunked lm_head (full [rows, vocab] logits never
+exist at once): cross-entropy towards hard labels (the data's tokens or the target's greedy ones)
+or KL divergence from the target's whole next-token distribution (distillation: the target's
+logits are recomputed chunk by chunk from its final hidden state and the same frozen lm_head);
+the weighting of block positions (the paper's fixed decay, or D-PACE's weights from the
+drafter's own confidence); per-position accuracy; and `accepted_run_length`, the one definition
+of "how many proposals would be accepted" used by training metrics, evaluation and benchmarks.
 
 The loss comes back as (weighted sum, weight sum): dividing the totals over micro-batches and
 ranks gives the exact mean, never a mean of means.
 
 Shape legend: N blocks, B block size, K = B - 1 predicted positions, M = N*B rows,
-H hidden size, V vocabulary.
+C rows of one chunk, H hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.config import DEFAULT_GAMMA, ObjectiveSection
+
+WEIGHTINGS = ("decay", "dpace", "dpace_prefix", "dpace_continuation")
 
 
 def default_gamma(block_size: int) -> float:
@@ -43,21 +48,50 @@ def position_weights(block_size: int, gamma: float | None = None, device=None) -
     return w
 
 
+@torch.no_grad()
+def dpace_weights(confidence_NB: torch.Tensor, valid_NB: torch.Tensor, alpha: float,
+                  weighting: str = "dpace") -> torch.Tensor:
+    """D-PACE position weights [N, B] from the drafter's probability of each position's label.
+
+    With s_k = (1 - alpha) q_k + alpha (smoothed confidence; 1 at positions without a target,
+    which leaves the products unchanged) and P_k = s_1 ... s_k (the smoothed chance that the
+    first k proposals are all accepted), the expected accepted length is approximated by
+    sum_j P_j. Its derivative with respect to log s_k is sum_{j >= k} P_j: that is the weight
+    of position k ("dpace"). The two components alone: P_k ("dpace_prefix", cumulative
+    confidence) and sum_{j >= k} P_j / P_k ("dpace_continuation", the expected run after k).
+    The weights are detached (a constant per step) and 0 where there is no target.
+    """
+    if weighting not in WEIGHTINGS[1:]:
+        raise ValueError(f"not a D-PACE weighting: {weighting!r}")
+    valid = valid_NB.to(torch.bool)
+    q = confidence_NB.detach().to(torch.float32)
+    smooth_NB = torch.where(valid, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    prefix_NB = torch.cumprod(smooth_NB, dim=-1)
+    if weighting == "dpace_prefix":
+        w_NB = prefix_NB
+    else:
+        counted = prefix_NB * valid
+        suffix_NB = counted.flip(-1).cumsum(-1).flip(-1)
+        w_NB = suffix_NB if weighting == "dpace" else suffix_NB / prefix_NB.clamp_min(torch.finfo(torch.float32).tiny)
+    return w_NB * valid
+
+
 def accepted_run_length(matches_NK: torch.Tensor) -> torch.Tensor:
     """Per block, the length of the leading run of True: how many proposals in a row a
     greedy verifier accepts. matches [..., K] bool -> [...] long."""
     return matches_NK.to(torch.long).cumprod(dim=-1).sum(dim=-1)
 
 
-def _chunk_loss(h_CH, weight_VH, labels_C, w_C, need_grad: bool):
-    """One chunk of rows: (sum w * CE, argmax of the logits, d(sum w * CE)/dh or None).
+def _chunk_loss(h_CH, weight_VH, labels_C, need_grad: bool):
+    """One chunk of rows towards hard labels: (CE per row, argmax of the logits, the label's
+    log-probability, d CE_row / d h or None).
 
     Written for few passes over the [C, V] logits, which dominate the loss's memory traffic:
     argmax on the logits as they come out of the matmul (no float copy), one log_softmax that
     reads them and writes float32 log-probabilities, and one exp that writes the softmax
     straight in the weight's dtype for the input-gradient matmul. d CE / d logits = softmax -
     onehot(label); the label column is expm1(log p) in float32, so p - 1 keeps its precision
-    near p = 1. The row weights scale the [C, H] product instead of the [C, V] softmax.
+    near p = 1. Row weights are applied later, to the [C, H] product (autograd backward).
     Compiled (`compile=True` in `block_loss`), inductor fuses the same math into about two
     passes over bf16 logits.
     """
@@ -66,69 +100,114 @@ def _chunk_loss(h_CH, weight_VH, labels_C, w_C, need_grad: bool):
     logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
     del logits_CV
     picked_C = logp_CV.gather(-1, labels_C[:, None]).squeeze(-1)
-    loss = -(w_C * picked_C).sum()
     if not need_grad:
-        return loss, preds_C, None
+        return -picked_C, preds_C, picked_C, None
     probs_CV = torch.empty_like(logp_CV, dtype=weight_VH.dtype)
     torch.exp(logp_CV, out=probs_CV)  # one pass, written in the weight's dtype
     del logp_CV
     probs_CV.scatter_(-1, labels_C[:, None], torch.expm1(picked_C).to(weight_VH.dtype)[:, None])
-    grad_CH = (probs_CV @ weight_VH) * w_C[:, None]
-    return loss, preds_C, grad_CH
+    return -picked_C, preds_C, picked_C, probs_CV @ weight_VH
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_m w_m * CE(hidden_m @ W^T, label_m), computed chunk by chunk.
+def _soft_chunk_loss(h_CH, weight_VH, target_CH, need_grad: bool):
+    """One chunk of rows towards the target's distribution: (KL(target || drafter) per row,
+    argmax of the drafter's logits, the target's argmax (its greedy token), the drafter's
+    log-probability of that token, d KL_row / d h or None).
 
-    The gradient with respect to `hidden` is formed in the forward, chunk by chunk, so only one
-    chunk of logits is ever alive; backward only scales it. The lm_head weight belongs to the
-    frozen target and gets no gradient. With `compiled`, every chunk has exactly `chunk_rows`
-    rows (the last one padded with zero rows of weight 0).
+    The target's logits come from its final hidden state `target_CH` and the same frozen
+    lm_head, chunk by chunk like the drafter's. Both log-softmaxes are float32; KL = sum p (log
+    p - log q) is reduced by two row dot products (no [C, V] temporary); d KL / d logits = q -
+    p is formed in float32 (both near 1 at the argmax: no cancellation in the weight's dtype)
+    and written once in the weight's dtype for the input-gradient matmul. Peak: three float32
+    [C, V] buffers (log p, log q, p), twice the hard-label chunk's.
+    """
+    t_logits_CV = target_CH @ weight_VH.t()
+    greedy_C = t_logits_CV.argmax(dim=-1)
+    logp_CV = torch.log_softmax(t_logits_CV, dim=-1, dtype=torch.float32)
+    del t_logits_CV
+    logits_CV = h_CH @ weight_VH.t()
+    preds_C = logits_CV.argmax(dim=-1)
+    logq_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+    del logits_CV
+    picked_C = logq_CV.gather(-1, greedy_C[:, None]).squeeze(-1)
+    p_CV = logp_CV.exp()
+    kl_C = torch.einsum("cv,cv->c", p_CV, logp_CV) - torch.einsum("cv,cv->c", p_CV, logq_CV)
+    del logp_CV
+    if not need_grad:
+        return kl_C, preds_C, greedy_C, picked_C, None
+    logq_CV.exp_().sub_(p_CV)  # q - p, float32
+    del p_CV
+    return kl_C, preds_C, greedy_C, picked_C, logq_CV.to(weight_VH.dtype) @ weight_VH
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """Per-row loss of hidden @ W^T, computed chunk by chunk: CE towards `labels_M`, or, given
+    `target_MH` (the target's final hidden state per row), KL from the target's distribution.
+
+    Returns (loss per row, drafter argmax, the label each row is scored against (the target's
+    argmax with `target_MH`), the drafter's log-probability of that label). The gradient of
+    each row's loss with respect to `hidden` is formed in the forward, chunk by chunk, so only
+    one chunk of logits is ever alive; backward only scales row m by the incoming d loss /
+    d row_m (the row weights, which may therefore depend on this forward's outputs). The
+    lm_head weight and the target belong to the frozen target and get no gradient. With
+    `compiled`, every chunk has exactly `chunk_rows` rows (the last one padded with zeros).
     """
 
     @staticmethod
-    def forward(ctx, hidden_MH, weight_VH, labels_M, row_w_M, chunk_rows: int, compiled: bool):
+    def forward(ctx, hidden_MH, weight_VH, labels_M, target_MH, chunk_rows: int, compiled: bool):
         M = hidden_MH.shape[0]
+        device = hidden_MH.device
         need_grad = ctx.needs_input_grad[0]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden_MH.device)
-        preds_M = torch.empty(M, dtype=torch.long, device=hidden_MH.device)
+        soft = target_MH is not None
+        row_M = torch.empty(M, dtype=torch.float32, device=device)
+        preds_M = torch.empty(M, dtype=torch.long, device=device)
+        scored_M = torch.empty(M, dtype=torch.long, device=device) if soft else labels_M
+        logq_M = torch.empty(M, dtype=torch.float32, device=device)
         grad_MH = torch.empty_like(hidden_MH) if need_grad else None
-        w_M = row_w_M.to(torch.float32)
         if compiled:
             from dflash_train.compilation import loss_chunk
 
-            chunk = loss_chunk()
+            chunk = loss_chunk(soft)
         else:
-            chunk = _chunk_loss
+            chunk = _soft_chunk_loss if soft else _chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
-            h, lab, w = hidden_MH[s:e], labels_M[s:e], w_M[s:e]
+            h, aux = hidden_MH[s:e], (target_MH if soft else labels_M)[s:e]
             pad = chunk_rows - (e - s) if compiled else 0
             if pad:
                 h = torch.nn.functional.pad(h, (0, 0, 0, pad))
-                lab = torch.nn.functional.pad(lab, (0, pad))
-                w = torch.nn.functional.pad(w, (0, pad))
-            part, preds, grad = chunk(h, weight_VH, lab, w, need_grad)
-            loss += part
-            preds_M[s:e] = preds[: e - s]
+                aux = torch.nn.functional.pad(aux, (0, 0, 0, pad) if soft else (0, pad))
+            if soft:
+                row, preds, greedy, logq, grad = chunk(h, weight_VH, aux, need_grad)
+                scored_M[s:e] = greedy[: e - s]
+            else:
+                row, preds, logq, grad = chunk(h, weight_VH, aux, need_grad)
+            row_M[s:e], preds_M[s:e], logq_M[s:e] = row[: e - s], preds[: e - s], logq[: e - s]
             if grad_MH is not None:
                 grad_MH[s:e] = grad[: e - s]
         ctx.save_for_backward(grad_MH if grad_MH is not None else hidden_MH.new_empty(0))
-        ctx.mark_non_differentiable(preds_M)
-        return loss, preds_M
+        ctx.mark_non_differentiable(preds_M, scored_M, logq_M)
+        ctx.chunk_rows = chunk_rows
+        return row_M, preds_M, scored_M, logq_M
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_preds):
+    def backward(ctx, grad_row_M, *_):
         (grad_MH,) = ctx.saved_tensors
-        return (grad_MH * grad_loss.to(grad_MH.dtype), None, None, None, None, None)
+        out_MH = torch.empty_like(grad_MH)
+        # Chunk by chunk: the float32 product of a chunk is the only temporary, and each row
+        # is rounded to the gradient's dtype once (as when the weight scaled it in the forward).
+        for s in range(0, grad_MH.shape[0], ctx.chunk_rows):
+            e = s + ctx.chunk_rows
+            out_MH[s:e] = grad_MH[s:e] * grad_row_M[s:e, None]
+        return (out_MH, None, None, None, None, None)
 
 
 @dataclass
 class BlockLossOutput:
     """Device tensors; nothing here forces a host sync."""
 
-    loss_sum: torch.Tensor  # sum of w * CE over supervised block positions (differentiable)
-    weight_sum: torch.Tensor  # sum of w over the same positions
+    loss_sum: torch.Tensor  # sum of w * loss over supervised block positions (differentiable)
+    weight_sum: torch.Tensor  # the normaliser of the same positions (see block_loss)
     correct_K: torch.Tensor  # per block index k = 1..B-1: correct predictions
     count_K: torch.Tensor  # per block index k = 1..B-1: supervised positions
     run_sum: torch.Tensor  # sum over counted blocks of the accepted run length
@@ -148,29 +227,53 @@ def block_loss(
     gamma: float | None = None,
     chunk_rows: int = ObjectiveSection.lm_head_chunk_rows,
     compile: bool = False,
+    *,
+    target_hidden_MH: torch.Tensor | None = None,
+    weighting: str = ObjectiveSection.weighting,
+    dpace_alpha: float = ObjectiveSection.dpace_alpha,
 ) -> BlockLossOutput:
-    """Decayed cross-entropy of draft blocks plus the statistics of what would be accepted.
+    """Weighted loss of draft blocks plus the statistics of what would be accepted.
 
     Rows are N blocks of `block_size` (block-major). `valid_M` marks rows with a supervised
     target (k >= 1, inside the anchor's document). Labels of invalid rows are ignored.
+    `target_hidden_MH`: the target's final hidden state that predicts each row's token
+    (distillation): the row loss is KL(target || drafter), and accuracy and accepted runs are
+    counted against the target's greedy token instead of `labels_M`. Otherwise the row loss
+    is the cross-entropy of `labels_M`.
+    `weighting`: "decay" weighs block index k by exp(-(k-1)/gamma) and normalises by the sum
+    of those weights; the D-PACE weightings (`dpace_weights`, smoothing `dpace_alpha`) weigh
+    each row by a detached function of the drafter's probability of its label and normalise by
+    the number of supervised rows, so the weights keep their absolute size.
     `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
     chunks are min(chunk_rows, rows) long, the last one padded).
     """
     M = hidden_MH.shape[0]
     assert M % block_size == 0, "rows must be whole blocks"
     assert not lm_head_weight_VH.requires_grad, "the target's lm_head is frozen"
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"objective.weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
     N = M // block_size
     device = hidden_MH.device
-    w_B = position_weights(block_size, gamma, device)
     valid_NB = valid_M.view(N, block_size).to(torch.bool)
-    row_w_M = (w_B[None, :] * valid_NB).flatten()
     labels_M = torch.where(valid_M.to(torch.bool), labels_M, torch.zeros_like(labels_M))
     chunk_rows = max(1, min(int(chunk_rows), M)) if compile else max(1, int(chunk_rows))
-    loss_sum, preds_M = _ChunkedLinearCrossEntropy.apply(
-        hidden_MH, lm_head_weight_VH, labels_M, row_w_M, chunk_rows, compile
+    if target_hidden_MH is not None:
+        assert target_hidden_MH.shape == hidden_MH.shape, "one target hidden state per row"
+        target_hidden_MH = target_hidden_MH.to(lm_head_weight_VH.dtype)
+    row_M, preds_M, scored_M, logq_M = _ChunkedLinearLoss.apply(
+        hidden_MH, lm_head_weight_VH, labels_M, target_hidden_MH, chunk_rows, compile
     )
     with torch.no_grad():
-        correct_NB = (preds_M == labels_M).view(N, block_size) & valid_NB
+        if weighting == "decay":
+            row_w_M = (position_weights(block_size, gamma, device)[None, :] * valid_NB).flatten()
+            weight_sum = row_w_M.sum()
+        else:
+            row_w_M = dpace_weights(logq_M.exp().view(N, block_size), valid_NB, dpace_alpha, weighting).flatten()
+            weight_sum = valid_NB.sum().to(torch.float32)
+    # Rows without a target have weight 0; where() also keeps their finite junk out of the sum.
+    loss_sum = torch.where(row_w_M > 0, row_w_M * row_M, torch.zeros_like(row_M)).sum()
+    with torch.no_grad():
+        correct_NB = (preds_M == scored_M).view(N, block_size) & valid_NB
         correct_NK, valid_NK = correct_NB[:, 1:], valid_NB[:, 1:]
         run_N = accepted_run_length(correct_NK)
         counted_N = valid_NK[:, 0]
@@ -179,7 +282,7 @@ def block_loss(
         run_hist = (torch.nn.functional.one_hot(run_N, block_size) * counted_N[:, None]).sum(0)
         return BlockLossOutput(
             loss_sum=loss_sum,
-            weight_sum=row_w_M.sum(),
+            weight_sum=weight_sum,
             correct_K=correct_NK.sum(0),
             count_K=valid_NK.sum(0),
             run_sum=(run_N * counted_N).sum(),

@@ -162,6 +162,11 @@ class BlockLayout:
         pos_NB = self.block_pos_NB.clamp(0, self.num_ctx - 1)
         return torch.where(self.valid_NB, labels_T[pos_NB], torch.zeros_like(pos_NB)).flatten()
 
+    def rows(self, values_TX: torch.Tensor) -> torch.Tensor:
+        """`values_TX` [T, X] read at each block position: [N*B, X] (rows out of range read a
+        clamped position; they carry no loss)."""
+        return values_TX[self.block_pos_NB.clamp(0, self.num_ctx - 1).flatten()]
+
     def visible_pairs(self, sliding_window: int | None = None) -> torch.Tensor:
         """Visible (query, key) pairs of the real blocks under the mask rule (a device scalar):
         the attention work a mask-aware kernel must do. Padding blocks are not counted."""

@@ -12,8 +12,12 @@ noise. With split fc layers (`topology.split_fc`) the tapped layers travel uncon
 `context_features` concatenates and noises them on the drafter's side, with the same generator:
 the same numbers either way.
 
+With `objective.labels=distill` the shipment also carries the target's final hidden state,
+shifted so that position p holds the state that predicts token p (the drafter side applies the
+frozen lm_head to it chunk by chunk in the loss): [T, H] instead of [T, V] logits.
+
 Shape legend: b rows, L padded length, T packed tokens (data.token_budget), F = n*H concatenated
-tap width, H one tap's width.
+tap width, H one tap's width (and the target's hidden size).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Shipment:
     loss_mask_T: torch.Tensor | None = None  # bool
     labels_T: torch.Tensor | None = None  # what the drafter must produce at each position
     doc_lengths: torch.Tensor | None = None  # one document per batch row
+    target_hidden_TH: torch.Tensor | None = None  # distill: the target's final state predicting p
     num_tokens: int = 0  # real packed tokens (before padding up to T)
     padded_tokens: int = 0  # rows x L of the target batch
     rows: int = 0
@@ -96,13 +101,22 @@ def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:
     return torch.cat([torch.arange(r * padded_len, r * padded_len + n) for r, n in enumerate(lengths)])
 
 
-def pack(batch, index: int, features_bLF, greedy_bL: torch.Tensor | None, pad_to: int,
+def previous_index(lengths: list[int], padded_len: int) -> torch.Tensor:
+    """`pack_index` shifted back one position inside each row (a row's first position keeps
+    its own index): where the state that predicts each real token sits (host-side)."""
+    return torch.cat([(torch.arange(n) - 1).clamp(min=0) + r * padded_len for r, n in enumerate(lengths)])
+
+
+def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to: int,
          noise: FeatureNoise | None) -> Shipment:
     """Drop the padding of `batch` (global micro-batch `index`), lay its rows end to end in
     one packed row padded with zeros to `pad_to` tokens (at least the real count; the producer
     passes the token budget, so every packed row has one shape), and add `noise` to the
     features. `features_bLF` may be a list of per-tap [b, L, H] tensors (split fc layers): each
-    is packed alone and no noise is added (`context_features` adds it on the drafter side)."""
+    is packed alone and no noise is added (`context_features` adds it on the drafter side).
+    `head_out` is what the target returned past its taps (target.Target.capture): None (the
+    labels are the data), its greedy tokens [b, L] (the labels), or its final hidden state
+    [b, L, H] (distillation: shipped as `target_hidden_TH`, the labels stay the data)."""
     split = isinstance(features_bLF, (list, tuple))
     parts = list(features_bLF) if split else [features_bLF]
     device = parts[0].device
@@ -123,6 +137,7 @@ def pack(batch, index: int, features_bLF, greedy_bL: torch.Tensor | None, pad_to
     ids[:T] = input_ids_bL.reshape(-1).index_select(0, flat)
     mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
     mask[:T] = batch.loss_mask.to(device, non_blocking=True).reshape(-1).to(torch.bool).index_select(0, flat)
+    greedy_bL = head_out if head_out is not None and not head_out.is_floating_point() else None
     if greedy_bL is None:
         labels = ids
     else:
@@ -130,8 +145,16 @@ def pack(batch, index: int, features_bLF, greedy_bL: torch.Tensor | None, pad_to
         shifted = torch.cat([input_ids_bL[:, :1], greedy_bL[:, :-1]], dim=1)
         labels = torch.zeros_like(ids)
         labels[:T] = shifted.reshape(-1).index_select(0, flat)
+    target_hidden = None
+    if head_out is not None and head_out.is_floating_point():
+        # Position p gets the state at p - 1 (same row), which predicts token p; a document's
+        # first position is never a block target and gets its own state.
+        previous = previous_index(lengths, L).to(device, non_blocking=True)
+        target_hidden = torch.zeros(T_pad, head_out.shape[-1], dtype=head_out.dtype, device=device)
+        target_hidden[:T] = head_out.reshape(b * L, -1).index_select(0, previous)
     doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
-    return Shipment(index, False, feats, ids, mask, labels, doc_lengths, num_tokens=T, **batch_stats(batch))
+    return Shipment(index, False, feats, ids, mask, labels, doc_lengths, target_hidden, num_tokens=T,
+                    **batch_stats(batch))
 
 
 def context_features(shipment: Shipment, noise: FeatureNoise) -> torch.Tensor:
@@ -155,31 +178,35 @@ class SidePacker:
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def __call__(self, batch, index: int, features_bLF, greedy_bL, pad_to: int, noise: FeatureNoise | None) -> Shipment:
+    def __call__(self, batch, index: int, features_bLF, head_out, pad_to: int,
+                 noise: FeatureNoise | None) -> Shipment:
         if self.stream is None:
-            return pack(batch, index, features_bLF, greedy_bL, pad_to, noise)
+            return pack(batch, index, features_bLF, head_out, pad_to, noise)
         parts = list(features_bLF) if isinstance(features_bLF, (list, tuple)) else [features_bLF]
         main = torch.cuda.current_stream(parts[0].device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            for t in (*parts, greedy_bL):
+            for t in (*parts, head_out):
                 if t is not None:
                     t.record_stream(self.stream)
-            shipment = pack(batch, index, features_bLF, greedy_bL, pad_to, noise)
+            shipment = pack(batch, index, features_bLF, head_out, pad_to, noise)
         main.wait_stream(self.stream)
         out_feats = shipment.features if isinstance(shipment.features, list) else [shipment.features]
-        for t in (*out_feats, shipment.input_ids_T, shipment.loss_mask_T, shipment.labels_T, shipment.doc_lengths):
-            t.record_stream(main)
+        for t in (*out_feats, shipment.input_ids_T, shipment.loss_mask_T, shipment.labels_T, shipment.doc_lengths,
+                  shipment.target_hidden_TH):
+            if t is not None:
+                t.record_stream(main)
         return shipment
 
 
 class Producer:
     """The target role of one rank: global micro-batch index -> its `Shipment`.
 
-    `target` is anything with `capture(ids, concat=True) -> (features, greedy or None)` (target.
-    Target; benchmarks pass stand-ins). A target forward that raises (out of memory on an unusual
-    shape, ...) yields a failed shipment: logged with the batch's shape, counted by the drafter
-    step that consumes it. The data position moves past it, so a resumed run skips it too."""
+    `target` is anything with `capture(ids, concat=True) -> (features, None | greedy tokens |
+    final hidden state)` (target.Target; benchmarks pass stand-ins). A target forward that
+    raises (out of memory on an unusual shape, ...) yields a failed shipment: logged with the
+    batch's shape, counted by the drafter step that consumes it. The data position moves past
+    it, so a resumed run skips it too."""
 
     def __init__(self, target, stream, *, device: torch.device, noise: FeatureNoise, split_fc: bool,
                  pad_to: int, micro_per_step: int, faults, timer, log) -> None:
@@ -198,9 +225,9 @@ class Producer:
         captured = self.capture(index, batch)
         if captured is None:
             return Shipment.failure(index, batch)
-        features, greedy = captured
+        features, head_out = captured
         self.timer.mark("pack")
-        return self.packer(batch, index, features, greedy, self.pad_to, None if self.split_fc else self.noise)
+        return self.packer(batch, index, features, head_out, self.pad_to, None if self.split_fc else self.noise)
 
     def capture(self, index: int, batch):
         step = index // self.micro_per_step + 1  # the 1-based optimizer step that trains on it

@@ -131,10 +131,14 @@ class DrafterStep:
         block_emb = self.heads.embed(layout.block_input_ids(s.input_ids_T, d.mask_token_id))
         with self.autocast:
             hidden = d(features_TF[None], block_emb[None], layout.position_ids(), attention_mask=masks)[0]
-        lm_head = self.heads.lm_head_weight
+        lm_head, o = self.heads.lm_head_weight, c.objective
+        target_hidden = None
+        if o.labels == "distill":
+            assert s.target_hidden_TH is not None, "labels=distill: the shipment carries the target's final state"
+            target_hidden = layout.rows(s.target_hidden_TH)
         out = block_loss(hidden.to(lm_head.dtype), lm_head, layout.labels(s.labels_T), layout.valid_NB.flatten(),
-                         d.block_size, gamma=c.objective.gamma, chunk_rows=c.objective.lm_head_chunk_rows,
-                         compile=self.compile_loss)
+                         d.block_size, gamma=o.gamma, chunk_rows=o.lm_head_chunk_rows, compile=self.compile_loss,
+                         target_hidden_MH=target_hidden, weighting=o.weighting, dpace_alpha=o.dpace_alpha)
         out.loss_sum = self.faults.poison_loss(s.index // self.micro_per_step + 1, out.loss_sum)
         self.acc.add_loss(out)
         self.acc.add_batch(s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len)

@@ -3,13 +3,14 @@
 Owns everything the drafter needs from the target model: its embedding and lm_head weights
 (frozen, shared, never saved with the drafter; `TargetHeads` reads them alone for a drafter
 rank), and the outputs of the tapped decoder layers for a padded batch (computed only up to the
-last tapped layer unless the target's own greedy labels are wanted). Packing those outputs for
-the drafter is produce.py's.
+last tapped layer unless the objective needs the target's own predictions: its greedy token,
+or its final hidden state for distillation). Packing those outputs for the drafter is
+produce.py's.
 
 Batches are right-padded, so with causal attention no real token ever attends to padding and
 the target runs without an attention mask.
 
-Shape legend: b rows, L padded length, F = n*H concatenated tap width, V vocabulary.
+Shape legend: b rows, L padded length, H hidden size, F = n*H concatenated tap width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, ConfigError
+from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, ConfigError, runs_whole_target
 
 
 def resolve_target_path(path: str) -> Path:
@@ -121,18 +122,22 @@ class LayerTaps:
 
 
 class Target:
-    """A frozen causal LM that returns the outputs of its tapped layers."""
+    """A frozen causal LM that returns the outputs of its tapped layers, and what
+    `objective.labels` (`labels`) needs of its last layer: nothing (data), its greedy token
+    (target) or its final hidden state (distill)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], need_logits: bool) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], labels: str = "data") -> None:
+        if labels not in ("data", "target", "distill"):  # e.g. a bool (the former need_logits): loud, not silent
+            raise ValueError(f"labels must be objective.labels (data, target or distill), got {labels!r}")
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = [int(i) for i in layer_ids]
-        self.need_logits = need_logits
+        self.labels = labels
         self.decoder, layers = decoder_layers(model)
         self.num_layers = len(layers)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"tapped layers {bad} do not exist: the target has {self.num_layers} layers")
-        if not need_logits:
+        if not runs_whole_target(labels):
             # Nothing after the last tapped layer is ever needed: drop it (time and memory).
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
         self.taps = LayerTaps(model, self.layer_ids)
@@ -143,12 +148,15 @@ class Target:
     @torch.no_grad()
     def capture(self, input_ids_bL: torch.Tensor, concat: bool = True):
         """features [b, L, n*H] of the tapped layers (in tap order; concat=False: a list of n
-        [b, L, H]), and, when the target was built with need_logits, its greedy next-token
-        prediction at every position [b, L]."""
+        [b, L, H]), and what the labels need past them: None (data), the greedy next-token
+        prediction at every position [b, L] (target), or the final hidden state (after the
+        final norm, what the lm_head reads) at every position [b, L, H] (distill)."""
         out = self.decoder(input_ids=input_ids_bL, use_cache=False)
         features = self.taps.features(concat)
+        if self.labels == "distill":
+            return features, out.last_hidden_state
         greedy = None
-        if self.need_logits:
+        if self.labels == "target":
             last = out.last_hidden_state
             greedy = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
             rows = 1024  # lm_head in chunks of positions: never [b, L, V] logits at once
@@ -162,10 +170,10 @@ class Target:
 
 
 def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
-                need_logits: bool) -> tuple[Target, object]:
-    """Load, freeze and wrap the target; returns (Target, tokenizer)."""
+                labels: str = "data") -> tuple[Target, object]:
+    """Load, freeze and wrap the target (`labels`: objective.labels); returns (Target, tokenizer)."""
     model, tokenizer = load_target_model(path, device, dtype)
-    return Target(model, layer_ids, need_logits), tokenizer
+    return Target(model, layer_ids, labels), tokenizer
 
 
 class TargetHeads:

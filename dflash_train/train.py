@@ -94,6 +94,23 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
     return DFlashDrafter(dcfg)
 
 
+def distill_problem(target_config) -> str | None:
+    """Why the target's logits are not `final hidden state @ lm_head^T` (what distillation
+    recomputes), or None: a logit soft cap or scale changes the distribution."""
+    text = target_config.get_text_config()
+    changed = {}
+    if getattr(text, "final_logit_softcapping", None):  # None or 0: no cap
+        changed["final_logit_softcapping"] = text.final_logit_softcapping
+    for name in ("logits_scaling", "logit_scale"):  # scales (Granite, Cohere)
+        if getattr(text, name, None) not in (None, 1.0):
+            changed[name] = getattr(text, name)
+    if changed:
+        found = ", ".join(f"{k}={v}" for k, v in changed.items())
+        return (f"the target's logits are modified ({found}), but distillation takes them as its final hidden "
+                f"state times the lm_head; use objective.labels=target (its greedy token) instead")
+    return None
+
+
 @dataclass
 class Run:
     """Every part of one rank's run. A part this rank's role lacks is None: a drafter rank of a
@@ -129,11 +146,11 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     under torchrun it is, by `topology`, a colocated data-parallel replica, a target rank or a
     drafter rank. Benchmarks (bench.py) replace the target folder and the chat data with
     `target_config` (a transformers config of the target's shape), `build_target(layer_ids,
-    need_logits)` and `dataset` (rows of input_ids, loss_mask, length); there is no tokenizer
-    then, so drafter.mask_token_id must be set, and a drafter rank of a disaggregated run calls
-    `build_heads()` (embedding and lm_head, as target.TargetHeads). `checkpointing=False`:
-    nothing is resumed or saved, on every rank alike. `dist`: this rank's Dist, when the caller
-    made it already (default: from torchrun's environment)."""
+    labels)` (labels: objective.labels) and `dataset` (rows of input_ids, loss_mask, length);
+    there is no tokenizer then, so drafter.mask_token_id must be set, and a drafter rank of a
+    disaggregated run calls `build_heads()` (embedding and lm_head, as target.TargetHeads).
+    `checkpointing=False`: nothing is resumed or saved, on every rank alike. `dist`: this rank's
+    Dist, when the caller made it already (default: from torchrun's environment)."""
     from transformers import AutoConfig, AutoTokenizer
 
     assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
@@ -150,6 +167,10 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
         target_dir = resolve_target_path(cfg.target.path)
         target_config = AutoConfig.from_pretrained(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if cfg.objective.labels == "distill":
+        problem = distill_problem(target_config)
+        if problem:
+            raise ConfigError([f"objective.labels=distill: {problem}"])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
         drafter = build_drafter(cfg, target_config, tokenizer)
@@ -166,9 +187,9 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     noise = FeatureNoise(cfg.objective.noise, cfg.objective.noise_std, cfg.train.seed, device)
     target = producer = step = None
     if dist.is_target:
-        target = (build_target(drafter.target_layer_ids, cfg.objective.labels == "target") if build_target is not None
-                  else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids,
-                                   cfg.objective.labels == "target")[0])
+        labels = cfg.objective.labels
+        target = (build_target(drafter.target_layer_ids, labels) if build_target is not None
+                  else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids, labels)[0])
         producer = Producer(target, stream, device=device, noise=noise, split_fc=cfg.topology.split_fc,
                             pad_to=cfg.data.token_budget, micro_per_step=M, faults=faults, timer=timer, log=log_any)
     if dist.is_drafter:

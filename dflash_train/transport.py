@@ -3,8 +3,9 @@
 Owns the wire format and the two ends. A batch travels as a small int64 header (global
 micro-batch index, flags, shapes, dtype code, batch statistics, the sender's cumulative wait)
 followed by its payload tensors: the features (one [T, F] tensor, or one [T, H] tensor per tapped
-layer with split fc layers), one int64 [3, T] tensor (input ids, loss mask, labels) and the
-document lengths [num_docs]. A batch whose target forward failed is a header alone.
+layer with split fc layers), with distillation the target's final hidden state [T, H], one int64
+[3, T] tensor (input ids, loss mask, labels) and the document lengths [num_docs]. A batch whose
+target forward failed is a header alone.
 
 `Sender` (target side) posts `isend`s and keeps every sent tensor referenced until its send has
 completed; at most `topology.queue_depth` batches per drafter are in flight, beyond that it
@@ -29,18 +30,22 @@ from dflash_train.dist import Dist
 from dflash_train.produce import Shipment
 
 HEADER_LEN = 16
-FAILED, SPLIT = 1, 2
+FAILED, SPLIT, HIDDEN = 1, 2, 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _header(s: Shipment, device) -> torch.Tensor:
     split = isinstance(s.features, list)
+    hidden = s.target_hidden_TH
     h = [0] * HEADER_LEN
-    h[0], h[1] = s.index, (FAILED if s.failed else 0) | (SPLIT if split else 0)
+    h[0] = s.index
+    h[1] = (FAILED if s.failed else 0) | (SPLIT if split else 0) | (HIDDEN if hidden is not None else 0)
     if not s.failed:
         parts = s.features if split else [s.features]
         h[2], h[3], h[4] = len(parts), parts[0].shape[0], parts[0].shape[1]
         h[5], h[6] = DTYPES.index(parts[0].dtype), s.doc_lengths.numel()
+        if hidden is not None:
+            h[14], h[15] = hidden.shape[1], DTYPES.index(hidden.dtype)
     h[7:14] = [s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len, s.epoch, s.sender_wait_us]
     return torch.tensor(h, dtype=torch.int64, device=device)
 
@@ -64,6 +69,8 @@ class Sender:
         if not shipment.failed:
             ints = torch.stack([shipment.input_ids_T, shipment.loss_mask_T.to(torch.int64), shipment.labels_T])
             feats = shipment.features if isinstance(shipment.features, list) else [shipment.features]
+            if shipment.target_hidden_TH is not None:
+                feats = [*feats, shipment.target_hidden_TH]
             tensors += [f.contiguous() for f in feats] + [ints, shipment.doc_lengths.to(torch.int64).contiguous()]
         # The tensors stay referenced in the queue entry until their sends have completed.
         works = [dist.isend(t, dst) for t in tensors]
@@ -115,12 +122,14 @@ class Receiver:
             return Shipment(index, True, None, **stats)
         num_parts, T, F, dtype, num_docs = h[2], h[3], h[4], DTYPES[h[5]], h[6]
         parts = [self._buffer(("feat", i), (T, F), dtype) for i in range(num_parts)]
+        hidden = [self._buffer(("hidden",), (T, h[14]), DTYPES[h[15]])] if h[1] & HIDDEN else []
         ints = self._buffer(("ints",), (3, T), torch.int64)
         docs = self._buffer(("docs", num_docs), (num_docs,), torch.int64)
-        works = [dist.irecv(t, src) for t in (*parts, ints, docs)]
+        works = [dist.irecv(t, src) for t in (*parts, *hidden, ints, docs)]
         started = time.perf_counter()
         for work in works:
             self.dist.wait(work, what)
         self.wait_s += time.perf_counter() - started
         features = parts if h[1] & SPLIT else parts[0]
-        return Shipment(index, False, features, ints[0], ints[1].to(torch.bool), ints[2], docs, **stats)
+        return Shipment(index, False, features, ints[0], ints[1].to(torch.bool), ints[2], docs,
+                        hidden[0] if hidden else None, **stats)

@@ -91,3 +91,24 @@ def test_cli_takes_overrides_on_both_sides_of_an_option(monkeypatch):
     with pytest.raises(SystemExit) as stop:  # anything else left over is still an error
         cli.main(["train", "optim.lr=1e-3", "--output-dir", "x", "--no-such-flag"])
     assert stop.value.code == 2
+
+
+def test_objective_levers_are_checked():
+    cfg = load_config(None, ["objective.labels=distill", "objective.weighting=dpace", "drafter.block_size=12"])
+    assert cfg.objective.labels == "distill" and cfg.objective.dpace_alpha == 0.5  # D-PACE needs no gamma
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["objective.weighting=dpace", "objective.gamma=7", "objective.dpace_alpha=1.5",
+                           "objective.labels=soft"])
+    text = str(err.value)
+    assert "objective.gamma is the decay of objective.weighting=decay" in text
+    assert "objective.dpace_alpha must be in [0, 1]" in text and "'distill'" in text
+
+
+def test_distillation_refuses_targets_whose_logits_are_not_the_lm_head_product():
+    from transformers import AutoConfig
+
+    from dflash_train.train import distill_problem
+
+    assert distill_problem(AutoConfig.for_model("llama")) is None
+    assert distill_problem(AutoConfig.for_model("gemma2")) is not None  # final_logit_softcapping=30
+    assert "logits_scaling=4.0" in distill_problem(AutoConfig.for_model("granite", logits_scaling=4.0))

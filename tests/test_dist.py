@@ -266,3 +266,14 @@ def test_resume_with_another_global_batch_is_refused_naming_the_numbers_and_the_
     with pytest.raises(CheckpointError, match="launch a number of drafter ranks that divides 2 and set "
                                               "train.grad_accum to 2 divided by it"):
         position.check(tmp_path, {"micro_per_step": 2}, {"num_drafters": 2, "grad_accum": 1}, 0)
+
+
+@pytest.mark.slow
+def test_distillation_through_transport_equals_one_process(tmp_path):
+    """objective.labels=distill, 1 target + 1 drafter, split fc layers: the target's final state
+    travels with each shipment, and the losses are those of one process."""
+    options = ("objective.labels=distill", "train.max_steps=4")
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path / "one"), *options]) == 0
+    done = run([*torchrun(tmp_path / "two", 2, *DISAGG, "topology.split_fc=true", *options)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_close_losses(losses(tmp_path / "two"), losses(tmp_path / "one"))

@@ -1,5 +1,6 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
-the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager;
+the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
+with hard labels and with distillation;
 the BlockMask read off the layout against create_block_mask, with no host sync; the side-stream
 packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
@@ -117,6 +118,32 @@ def test_compiled_loss_chunks_equal_eager_on_gpu():
     assert (comp.correct_K - eager.correct_K).abs().sum().item() <= 2  # bf16 near-ties may differ
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_distillation_loss_on_gpu_in_bf16_matches_fp32(compile):
+    """labels=distill as the trainer runs it on CUDA: bf16 drafter states, target states and
+    lm_head, chunks of 256 rows (compiled or eager, the last one padded), against the same loss
+    in float32 in one chunk; with the decay and with D-PACE; the no-grad path gives the same sum."""
+    M = 40 * B
+    hidden, weight, labels, valid = random_loss_inputs(2, M)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    target = (hidden.float() + 0.5 * torch.randn(hidden.shape, device="cuda", generator=g)).to(torch.bfloat16)
+    for weighting in ("decay", "dpace"):
+        kw = dict(target_hidden_MH=target, weighting=weighting)
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, compile=compile, **kw)
+        out.loss_sum.backward()
+        with torch.no_grad():
+            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, compile=compile, **kw)
+        h32 = hidden.float().requires_grad_(True)
+        ref = block_loss(h32, weight.float(), labels, valid, B, chunk_rows=M,
+                         target_hidden_MH=target.float(), weighting=weighting)
+        ref.loss_sum.backward()
+        assert torch.isfinite(out.loss_sum) and torch.isfinite(h.grad).all()
+        assert abs(out.loss_sum.item() - ref.loss_sum.item()) / ref.loss_sum.item() < 2e-2, weighting
+        assert ((h.grad.float() - h32.grad).norm() / h32.grad.norm()).item() < 5e-2, weighting
+        assert abs(again.loss_sum.item() - out.loss_sum.item()) / out.loss_sum.item() < 1e-3, weighting
+
+
 def test_layout_block_mask_on_gpu_equals_create_block_mask_without_host_syncs():
     from dflash_train.masks import flex_block_mask, layout_block_mask
 
@@ -162,8 +189,8 @@ def test_compiled_target_layers_give_the_eager_features():
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
-    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
-    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], False)
+    eager = build_random_target(config, device, torch.bfloat16, 0)([1, 3], "data")
+    compiled = build_random_target(config, device, torch.bfloat16, 0)([1, 3], "data")
     compile_target_layers(compiled)
     for shape in ((2, 40), (3, 64), (2, 40)):  # a second shape, then the first again
         ids = torch.randint(0, 500, shape, device=device)

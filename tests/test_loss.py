@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.loss import (_ChunkedLinearCrossEntropy, accepted_run_length, block_loss, default_gamma,
+from dflash_train.loss import (_ChunkedLinearLoss, accepted_run_length, block_loss, default_gamma, dpace_weights,
                                position_weights)
 
 
@@ -68,27 +68,34 @@ def test_loss_preds_and_gradient_equal_full_logits_reference(dtype):
     torch.testing.assert_close(out.loss_sum.double(), ref_loss, **tol)
     torch.testing.assert_close(h.grad.double(), ref_grad, **tol)
     # Predictions: the argmax of the logits the matmul produced, every row (invalid ones too).
-    _, preds = _ChunkedLinearCrossEntropy.apply(hidden, weight, torch.where(valid, labels, 0),
-                                                valid.float(), 16, False)
+    _, preds, _, _ = _ChunkedLinearLoss.apply(hidden, weight, torch.where(valid, labels, 0), None, 16, False)
     assert torch.equal(preds, (hidden @ weight.t()).argmax(-1))
     if dtype == torch.float32:
         assert torch.equal(preds, ref_preds)
 
 
-def test_compiled_chunks_equal_eager():
+@pytest.mark.parametrize("soft", [False, True])
+def test_compiled_chunks_equal_eager(soft):
     """The torch.compile path (train.compile on CUDA) against the eager one, on CPU: padded
-    last chunk, loss, predictions and gradient. Skipped without a C++ compiler."""
+    last chunk, loss, predictions and gradient, with hard labels and with distillation (the
+    target's states). Skipped without a C++ compiler."""
     import shutil
 
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     B = 4
-    hidden, weight, labels, valid = _case(seed=13, N=7, B=B, H=32, V=300)
+    if soft:
+        hidden, weight, labels, valid, target = _soft_case(23, N=7)
+        target = target.float()
+    else:
+        hidden, weight, labels, valid = _case(seed=13, N=7, B=B, H=32, V=300)
+        target = None
     hidden, weight = hidden.float(), weight.float()
     outs = []
     for compile in (False, True):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile)  # 12 + 12 + 4
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile,  # 12 + 12 + 4
+                         target_hidden_MH=target)
         out.loss_sum.backward()
         outs.append((out, h.grad))
     (eager, g_eager), (comp, g_comp) = outs
@@ -97,14 +104,23 @@ def test_compiled_chunks_equal_eager():
     assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
 
 
-def test_chunked_and_unchunked_agree():
+@pytest.mark.parametrize("soft,weighting", [(False, "decay"), (False, "dpace"), (True, "decay"), (True, "dpace")])
+def test_chunked_and_unchunked_agree(soft, weighting):
+    """Loss and gradient do not depend on the chunk size: hard labels and distillation, the
+    decay and D-PACE (whose weights come from the whole block, across chunk boundaries)."""
     B = 4
-    hidden, weight, labels, valid = _case(seed=3, N=9, B=B)
+    if soft:
+        hidden, weight, labels, valid, target = _soft_case(19)
+        target = target.float()
+    else:
+        hidden, weight, labels, valid = _case(seed=3, N=9, B=B)
+        target = None
     hidden, weight = hidden.float(), weight.float()
     grads, losses = [], []
     for chunk in (1, 7, 4096):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk)
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0 if weighting == "decay" else None, chunk_rows=chunk,
+                         target_hidden_MH=target, weighting=weighting)
         (out.loss() * 3.0).backward()
         losses.append(out.loss().detach())
         grads.append(h.grad)
@@ -169,3 +185,120 @@ def test_gamma_defaults_and_weights():
     assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
     with pytest.raises(ValueError, match="positive"):
         position_weights(16, gamma=0)
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+def _soft_reference(hidden, weight, target, valid, B, gamma):
+    """Whole [M, V] logits of drafter and target in float64, autograd: sum of decayed
+    KL(target || drafter), the gradient, and the target's argmax."""
+    h = hidden.detach().double().requires_grad_(True)
+    logq = torch.log_softmax(h @ weight.double().t(), dim=-1)
+    logp = torch.log_softmax(target.double() @ weight.double().t(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    k = torch.arange(h.shape[0]) % B
+    w = torch.where(valid, torch.exp(-(k - 1).double() / gamma), torch.zeros((), dtype=torch.float64))
+    loss_sum = (w * kl).sum()
+    loss_sum.backward()
+    return loss_sum.detach(), h.grad, logp.argmax(-1), w.sum()
+
+
+def _soft_case(seed, N=9, B=4, H=32, V=300):
+    hidden, weight, labels, valid = _case(seed=seed, N=N, B=B, H=H, V=V)
+    g = torch.Generator().manual_seed(seed + 100)
+    # The target's state: near the drafter's, so the two distributions overlap (a KL of a few
+    # nats, not hundreds), and with a sharper head.
+    target = 2.0 * hidden + 0.5 * torch.randn(hidden.shape, generator=g, dtype=torch.float64)
+    return hidden * 0.5, weight, labels, valid, target * 0.5
+
+
+def test_soft_label_loss_equals_float64_reference():
+    """labels=distill: KL(target || drafter) from the target's final state through the same lm_head,
+    chunked (last chunk partial), against whole float64 logits and autograd; accuracy counted
+    against the target's greedy token; the data labels play no part."""
+    B, gamma = 4, 7.0
+    hidden, weight, labels, valid, target = _soft_case(17)
+    ref_loss, ref_grad, ref_greedy, ref_w = _soft_reference(hidden, weight, target, valid, B, gamma)
+    h = hidden.clone().requires_grad_(True)
+    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=16, target_hidden_MH=target)
+    out.loss_sum.backward()
+    torch.testing.assert_close(out.loss_sum.double(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.weight_sum.double(), ref_w, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h.grad, ref_grad, atol=1e-6, rtol=1e-5)
+    preds = (hidden @ weight.t()).argmax(-1)
+    correct = ((preds == ref_greedy) & valid).view(-1, B)[:, 1:].sum(0)
+    assert torch.equal(out.correct_K, correct)
+    junk = block_loss(hidden, weight, torch.randint(0, 300, labels.shape), valid, B, gamma=gamma,
+                      chunk_rows=16, target_hidden_MH=target)
+    assert torch.equal(junk.loss_sum, out.loss_sum.detach()) and torch.equal(junk.correct_K, out.correct_K)
+
+
+# --------------------------------------------------------------------------- D-PACE weightings
+
+
+def test_dpace_weights_by_hand():
+    """One block of 5 with alpha 0.5: q = (-, 0.5, 1, 0, 0.5) -> s = (1, 0.75, 1, 0.5, 0.75),
+    prefix P = (1, 0.75, 0.75, 0.375, 0.28125); a second block with position 2 unsupervised
+    (s = 1 there: the products pass through it, and it gets no weight)."""
+    q = torch.tensor([[0.9, 0.5, 1.0, 0.0, 0.5], [0.9, 0.5, 0.3, 0.0, 0.5]])
+    valid = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    w = {name: dpace_weights(q, valid, 0.5, name) for name in ("dpace", "dpace_prefix", "dpace_continuation")}
+    # Suffix sums of P over supervised positions: 2.15625, 1.40625, 0.65625, 0.28125.
+    torch.testing.assert_close(w["dpace"][0], torch.tensor([0, 2.15625, 1.40625, 0.65625, 0.28125]))
+    torch.testing.assert_close(w["dpace_prefix"][0], torch.tensor([0, 0.75, 0.75, 0.375, 0.28125]))
+    torch.testing.assert_close(w["dpace_continuation"][0], torch.tensor([0, 2.875, 1.875, 1.75, 1.0]))
+    # Second block: P = (1, 0.75, 0.75, 0.375, 0.28125) again (position 2 passes through).
+    torch.testing.assert_close(w["dpace"][1], torch.tensor([0, 1.40625, 0, 0.65625, 0.28125]))
+    torch.testing.assert_close(w["dpace_prefix"][1], torch.tensor([0, 0.75, 0, 0.375, 0.28125]))
+    # alpha = 1: every s = 1, the weights ignore the confidence (prefix: uniform).
+    torch.testing.assert_close(dpace_weights(q, valid, 1.0, "dpace_prefix"), valid.float())
+    with pytest.raises(ValueError, match="D-PACE"):
+        dpace_weights(q, valid, 0.5, "decay")
+
+
+@pytest.mark.parametrize("weighting", ["dpace", "dpace_prefix", "dpace_continuation"])
+def test_dpace_loss_and_gradient_equal_a_loop_reference(weighting):
+    """block_loss with a D-PACE weighting: sum over rows of w * CE with w from a per-block Python
+    loop over the float64 reference's label probabilities, held constant in the gradient, and
+    normalised by the number of supervised rows."""
+    B, alpha = 4, 0.3
+    hidden, weight, labels, valid = _case(seed=29, N=9, B=B, H=32, V=300)
+    hidden = hidden * 0.3  # label probabilities well away from 0: the weights differ by position
+    h_ref = hidden.clone().requires_grad_(True)
+    ce = F.cross_entropy(h_ref @ weight.t(), torch.where(valid, labels, 0), reduction="none")
+    q = torch.exp(-ce.detach()).view(-1, B).tolist()
+    w_ref = []
+    for q_block, v_block in zip(q, valid.view(-1, B).tolist()):
+        prefix, run = [], 1.0
+        for qk, vk in zip(q_block, v_block):
+            run *= (1 - alpha) * qk + alpha if vk else 1.0
+            prefix.append(run)
+        for k in range(B):
+            suffix = sum(prefix[j] for j in range(k, B) if v_block[j])
+            value = {"dpace": suffix, "dpace_prefix": prefix[k], "dpace_continuation": suffix / prefix[k]}[weighting]
+            w_ref.append(value if v_block[k] else 0.0)
+    w_ref = torch.tensor(w_ref, dtype=torch.float64)
+    ref = (w_ref * ce).sum()
+    ref.backward()
+    h = hidden.clone().requires_grad_(True)
+    out = block_loss(h, weight, labels, valid, B, chunk_rows=5, weighting=weighting, dpace_alpha=alpha)
+    out.loss_sum.backward()
+    torch.testing.assert_close(out.loss_sum.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+    assert out.weight_sum.item() == valid.sum().item()
+    assert len(set(round(v, 6) for v in w_ref.tolist())) > 3  # really position-dependent
+
+
+def test_dpace_with_distillation_scores_the_targets_greedy_token():
+    """labels=distill with D-PACE: the confidence is the drafter's probability of the target's
+    greedy token, the row loss the KL."""
+    B, alpha = 4, 0.5
+    hidden, weight, labels, valid, target = _soft_case(31)
+    logq = torch.log_softmax(hidden @ weight.t(), -1)
+    logp = torch.log_softmax(target @ weight.t(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    conf = logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1).exp()
+    w = dpace_weights(conf.view(-1, B), valid.view(-1, B), alpha).flatten().double()
+    out = block_loss(hidden, weight, labels, valid, B, target_hidden_MH=target, weighting="dpace", dpace_alpha=alpha)
+    torch.testing.assert_close(out.loss_sum.double(), (w * kl).sum(), atol=1e-5, rtol=1e-5)

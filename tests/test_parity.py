@@ -52,8 +52,8 @@ def _run(tmp_path):
                                             "train.device=cpu", "drafter.mask_token_id=16"])
     dataset = Dataset.from_dict({"input_ids": [[5] * 16], "loss_mask": [[False] * 8 + [True] * 8], "length": [16]})
 
-    def build_target(layer_ids, need_logits):
-        return load_target(cfg.target.path, torch.device("cpu"), "float32", layer_ids, need_logits=need_logits)[0]
+    def build_target(layer_ids, labels):
+        return load_target(cfg.target.path, torch.device("cpu"), "float32", layer_ids, labels)[0]
 
     run = build(cfg, log=lambda *a, **k: None, dataset=dataset, build_target=build_target,
                 target_config=AutoConfig.from_pretrained(resolve_target_path(cfg.target.path)))

@@ -63,3 +63,83 @@ def test_pack_against_a_naive_loop_and_split_fc_features():
     assert isinstance(split.features, list) and len(split.features) == 3
     assert torch.equal(context_features(split, noise), s.features)
     assert context_features(s, noise) is s.features
+
+
+def test_pack_ships_the_targets_final_state_shifted_to_the_token_it_predicts():
+    """labels=distill: position p carries the target's final state at p - 1 of the same row (a
+    document's first position its own); the labels stay the data; nothing of it is noised."""
+    gen = torch.Generator().manual_seed(1)
+    lengths, L, pad_to = [5, 12, 1, 9], 12, 40
+    batch, taps, _ = random_batch(gen, lengths, L, taps=2, H=4)
+    final_bLH = torch.randn(len(lengths), L, 6, generator=gen)
+    noise = FeatureNoise("uniform", 0.05, seed=7, device=torch.device("cpu"))
+    s = pack(batch, 3, torch.cat(taps, dim=-1), final_bLH, pad_to, noise)
+    want = [final_bLH[r, max(p - 1, 0)] for r, n in enumerate(lengths) for p in range(n)]
+    T = sum(lengths)
+    assert s.target_hidden_TH.shape == (pad_to, 6) and torch.equal(s.target_hidden_TH[:T], torch.stack(want))
+    assert not s.target_hidden_TH[T:].any() and torch.equal(s.labels_T, s.input_ids_T)
+    assert pack(batch, 3, taps, None, pad_to, noise).target_hidden_TH is None
+
+
+class _FakeP2P:
+    """torch.distributed's isend / irecv between two ends of one process: sends queue copies,
+    receives pop them in order (what gloo does between two ranks)."""
+
+    class Work:
+        def wait(self, *args):
+            return True
+
+    def __init__(self):
+        self.queue = []
+
+    def isend(self, tensor, dst):
+        self.queue.append(tensor.clone())
+        return self.Work()
+
+    def irecv(self, tensor, src):
+        tensor.copy_(self.queue.pop(0))
+        return self.Work()
+
+
+class _FakeDist:
+    device = torch.device("cpu")
+    target_ranks = [0]
+
+    def wait(self, work, what):
+        return work.wait()
+
+    def name(self, rank=None):
+        return f"rank {rank}"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_transport_carries_the_targets_final_state(monkeypatch, split):
+    """The wire format round trip of a distillation shipment (features, final state, ids, mask,
+    labels, documents, statistics), with and without split fc layers, and of a plain one after
+    it on the same receiver (the final state's buffer is not sent)."""
+    import torch.distributed
+
+    from dflash_train.transport import Receiver, Sender
+
+    p2p = _FakeP2P()
+    monkeypatch.setattr(torch.distributed, "isend", p2p.isend)
+    monkeypatch.setattr(torch.distributed, "irecv", p2p.irecv)
+    gen = torch.Generator().manual_seed(2)
+    lengths, L = [5, 12, 9], 12
+    batch, taps, _ = random_batch(gen, lengths, L, taps=3, H=4)
+    final_bLH = torch.randn(len(lengths), L, 4, generator=gen).to(torch.bfloat16)
+    noise = FeatureNoise("uniform", 0.05, seed=7, device=torch.device("cpu"))
+    sender, receiver = Sender(_FakeDist(), queue_depth=2), Receiver(_FakeDist())
+    for index, final in ((5, final_bLH), (6, None)):
+        sent = pack(batch, index, taps if split else torch.cat(taps, dim=-1), final, 32, None if split else noise)
+        sender.send(1, sent)
+        got = receiver.recv(0, index)
+        assert not got.failed and got.index == index and got.num_tokens == sent.num_tokens
+        for name in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths"):
+            assert torch.equal(getattr(got, name), getattr(sent, name)), name
+        assert torch.equal(context_features(got, noise), context_features(sent, noise))
+        if final is None:
+            assert got.target_hidden_TH is None
+        else:
+            assert got.target_hidden_TH.dtype == torch.bfloat16 and torch.equal(got.target_hidden_TH, sent.target_hidden_TH)
+    assert not p2p.queue

@@ -210,3 +210,23 @@ def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(t
     from dflash_train.config import ConfigError
     with pytest.raises(ConfigError, match="train.max_time_s must be > 0"):
         load_config(str(TINY), ["train.max_time_s=0"])
+
+
+@pytest.mark.parametrize("options", [("objective.labels=distill", "topology.split_fc=true"),
+                                     ("objective.weighting=dpace", "objective.dpace_alpha=0.3")])
+def test_objective_options_train_finite_and_resume_exactly(options, tmp_path, capsys):
+    """A few steps with each objective lever (distillation from the target's distribution, with
+    the fc concat on the drafter side; D-PACE weights) stay finite, and resumed from the
+    checkpoint of step 2 the run logs the uninterrupted run's losses again, bit for bit."""
+    import shutil
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=4",
+            "checkpoint.every=2", *options]
+    assert cli.main(args) == 0
+    uninterrupted = losses(tmp_path)
+    assert len(uninterrupted) == 4 and all(torch.isfinite(torch.tensor(v)) for v in uninterrupted.values())
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-2'}" in capsys.readouterr().out
+    assert losses(tmp_path) == uninterrupted
