@@ -18,6 +18,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from dflash_train.errors import InputError
+
 BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
 TINY_TARGET = "bundled:tiny-random-llama"
 BUNDLED_DATA = "bundled:sharegpt"
@@ -266,7 +268,7 @@ EMBEDDED_DEFAULT: dict = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """All problems of a configuration, one per line."""
 
     def __init__(self, problems: list[str]):
