@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = list(args.overrides) + extra
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        else:  # said by the command's parser: `dflash-train CMD: error: ...`
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from dflash_train import __version__
 

@@ -160,7 +160,7 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
 
 def run_cli(args) -> int:
     """`dflash-train bench --workload decode`."""
-    from dflash_train.errors import InputError, output_file_problem
+    from dflash_train.errors import InputError, output_file_problem, problems_of
     from dflash_train.target import resolve_device, resolve_target_path
 
     def counts(flag: str, text: str | None) -> tuple[int, ...] | None:
@@ -179,14 +179,9 @@ def run_cli(args) -> int:
     problem = output_file_problem(args.output) if args.output else None
     if problem is not None:
         problems.append(f"--output {args.output}: {problem}")
-    checks = [lambda: resolve_device(args.device, setting="--device")]
+    problems += problems_of(lambda: resolve_device(args.device, setting="--device"))
     if args.target:
-        checks.append(lambda: resolve_target_path(args.target, "--target"))
-    for check in checks:
-        try:
-            check()
-        except InputError as err:
-            problems.append(str(err))
+        problems += problems_of(lambda: resolve_target_path(args.target, "--target"))
     if problems:
         raise InputError("; ".join(problems))
     report = run_decode_bench(target=args.target, device=args.device, rows=rows,

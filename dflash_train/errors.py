@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 FAILED = 1
 BAD_INPUT = 2
@@ -42,6 +43,18 @@ class InputError(UserError, ValueError):
 
 class MissingPath(InputError, FileNotFoundError):
     """A path that does not exist or lacks the file it must hold (exit 2)."""
+
+
+def problems_of(*checks: Callable[[], object]) -> list[str]:
+    """The messages of the UserErrors that `checks` raise, each called once, so that a command
+    reports every problem at once (a config error's problems one by one)."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except UserError as err:
+            problems += getattr(err, "problems", None) or [str(err)]
+    return problems
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:

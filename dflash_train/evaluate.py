@@ -27,7 +27,7 @@ import torch
 
 from dflash_train import specdec
 from dflash_train.config import PROMPT_SETS
-from dflash_train.errors import InputError, UserError, output_file_problem
+from dflash_train.errors import InputError, output_file_problem, problems_of
 from dflash_train.target import load_target_model, resolve_device, resolve_dtype, resolve_target_path
 from dflash_train.workers import parallel_map
 
@@ -101,7 +101,8 @@ def load_prompts(name_or_file: str, limit: int | None = None) -> list[PromptReco
     if limit is not None:
         records = records[:limit]
     if not records:
-        raise InputError(f"prompts {name_or_file!r}: no records")
+        what = "--limit leaves none" if limit is not None else "an empty file?"
+        raise InputError(f"prompts {name_or_file!r}: no records ({what})")
     return records
 
 
@@ -377,16 +378,9 @@ def model_problems(target: str, drafter: str) -> list[str]:
 
     from dflash_train.export import drafter_config
 
-    problems, config = [], None
-    try:
-        config = AutoConfig.from_pretrained(resolve_target_path(target, "--target"))
-    except UserError as err:
-        problems.append(str(err))
-    try:
-        drafter_config(drafter, "--drafter", config)
-    except UserError as err:
-        problems.append(str(err))
-    return problems
+    problems = problems_of(lambda: resolve_target_path(target, "--target"))
+    config = None if problems else AutoConfig.from_pretrained(resolve_target_path(target, "--target"))
+    return problems + problems_of(lambda: drafter_config(drafter, "--drafter", config))
 
 
 def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype, temperature: float = 0.0,
@@ -477,13 +471,10 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
         ("--eager-turns", eager_turns, eager_turns >= 0, ">= 0"),
         ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
         ("--limit", limit, limit is None or limit >= 1, ">= 1 (leave it out for every prompt)")) if not ok]
-    problems += model_problems(target, drafter)
-    try:
-        dev = resolve_device(device, setting="--device")
-    except InputError as err:
-        problems.append(str(err))
+    problems += model_problems(target, drafter) + problems_of(lambda: resolve_device(device, setting="--device"))
     if problems:
         raise InputError("; ".join(problems))
+    dev = resolve_device(device, setting="--device")
     torch_dtype = resolve_dtype(dtype, dev)
     sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "baseline": speedup}

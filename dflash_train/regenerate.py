@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, nothing_usable, render
-from dflash_train.errors import UserError, output_file_problem
+from dflash_train.errors import output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
 
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -350,7 +350,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     from dflash_train.target import resolve_device, resolve_target_path
     from dflash_train.workers import parallel_map
 
-    problems = [f"{name}={value}" for name, value in
+    problems = [f"{name}={value} (need >= 1)" for name, value in
                 (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("workers", workers),
                  ("max_prompt_length", max_prompt_length)) if value < 1]
     if temperature < 0 or not 0 < top_p <= 1:
@@ -365,14 +365,10 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     problem = output_file_problem(out)
     if problem is not None:
         problems.append(f"--out {out}: {problem}")
-    checks = [] if model is not None else [lambda: resolve_target_path(str(target), "--target")]
+    if model is None:
+        problems += problems_of(lambda: resolve_target_path(str(target), "--target"))
     if not servers:
-        checks.append(lambda: resolve_device(device, setting="--device"))
-    for check in checks:
-        try:
-            check()
-        except UserError as err:
-            problems.append(str(err))
+        problems += problems_of(lambda: resolve_device(device, setting="--device"))
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
     out = Path(out)

@@ -25,7 +25,7 @@ from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to
 from dflash_train.control import Control, Stop, TrainingStopped
 from dflash_train.dist import Assignment, Dist
 from dflash_train.drafter import DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id
-from dflash_train.errors import UserError, folder_problem
+from dflash_train.errors import UserError, folder_problem, problems_of
 from dflash_train.export import drafter_config, export_drafter, load_drafter
 from dflash_train.faults import Faults
 from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib, quiet_progress_bars
@@ -38,8 +38,10 @@ from dflash_train.transport import Receiver, Sender
 def check_inputs(cfg: Config) -> None:
     """What needs nothing heavy, checked before anything is loaded, every problem at once (one
     ConfigError): the output folder (and data.cache_dir) can be written, the data paths exist and
-    hold chat files, the target folder is a model, drafter.init_from is a DFlash drafter folder,
-    and the device is there."""
+    hold chat files, the target folder is a model, drafter.init_from is a DFlash drafter folder
+    for that target (config files alone), and the device is there."""
+    from transformers import AutoConfig
+
     from dflash_train import data
     from dflash_train.target import resolve_device
 
@@ -58,16 +60,11 @@ def check_inputs(cfg: Config) -> None:
             except UserError as err:
                 problems.append(f"data.paths: {err} (give chat files, folders of them, a folder written by "
                                 f"`dflash-train data prepare`, or '{BUNDLED_DATA}')")
-    checks = [lambda: resolve_target_path(cfg.target.path), lambda: resolve_device(cfg.train.device)]
+    target = problems_of(lambda: resolve_target_path(cfg.target.path))
+    problems += target + problems_of(lambda: resolve_device(cfg.train.device))
     if cfg.drafter.init_from:
-        checks.append(lambda: drafter_config(cfg.drafter.init_from, "drafter.init_from"))
-    for check in checks:
-        try:
-            check()
-        except ConfigError as err:
-            problems += err.problems
-        except UserError as err:
-            problems.append(str(err))
+        target_config = None if target else AutoConfig.from_pretrained(resolve_target_path(cfg.target.path))
+        problems += problems_of(lambda: drafter_config(cfg.drafter.init_from, "drafter.init_from", target_config))
     if problems:
         raise ConfigError(problems)
 
@@ -282,7 +279,7 @@ def train_drafter(run: Run) -> Path | None:
                 if stop is not None and stop.is_fault:
                     saved = checkpoints.save(n)
                     drain(run)
-                    raise TrainingStopped(control.explain(stop, saved))
+                    raise TrainingStopped(f"stopped: {control.explain(stop, saved)}")
                 if checkpoints.due(n):
                     checkpoints.save(n)
                     if stop is None and control.signalled_after_save(n):  # a signal during the save

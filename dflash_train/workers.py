@@ -8,7 +8,8 @@ process that builds its state once with `setup(device, *setup_args)` (typically:
 copy of the target on its device), then takes items from one shared queue and sends back
 `work(state, item)`. The parent yields the results in item order whatever order the workers
 finish in, so what a job writes does not depend on the number of workers. An exception in a
-worker ends the job with that worker's traceback; a worker that dies without one (killed, out
+worker ends the job with that worker's traceback (a UserError: with its message and exit
+status, as in the parent); a worker that dies without one (killed, out
 of memory, segfault) ends it too, naming its exit code. Nothing waits forever on a dead worker.
 
 `setup` and `work` must be module-level functions (spawn pickles them by name).
