@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dflash_train.config import ConfigError, load_config, runs_whole_target
+from dflash_train.errors import output_file_problem
 from dflash_train.flops import Shape, WorkCounter, peak_flops, useful_flops
 from dflash_train.metrics import peak_memory_gib
 
@@ -604,22 +605,18 @@ def format_report(r: dict) -> list[str]:
 
 
 def run_cli(args) -> int:
-    import sys
-
     output = Path(args.output) if args.output else None
     summary = None
     if args.profile and world_size() > 1:
-        print("dflash-train bench: --profile is for one process: launch without torchrun", file=sys.stderr)
-        return 2
+        raise ConfigError(["--profile is for one process: launch without torchrun"])
+    problem = output_file_problem(output) if output is not None else None
+    if problem is not None:
+        raise ConfigError([f"--output {output}: {problem}"])
     if args.profile:
         summary = (output.parent if output else Path(".")) / f"bench-{args.workload}-kernels.txt"
-    try:
-        report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=args.overrides,
-                           drafter_only=args.drafter_only, profile=args.profile_steps, profile_summary=summary,
-                           peak_tflops=args.peak_tflops)
-    except ConfigError as err:
-        print(f"dflash-train bench: {err}", file=sys.stderr)
-        return 2
+    report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=args.overrides,
+                       drafter_only=args.drafter_only, profile=args.profile_steps, profile_summary=summary,
+                       peak_tflops=args.peak_tflops)
     if report is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     for line in format_report(report):

@@ -33,6 +33,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from dflash_train.errors import InputError
+
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
 STATE = "trainer_state.json"
@@ -41,7 +43,7 @@ DRAFTER_CONFIG = "drafter_config.json"
 FILES = {"drafter": "drafter.safetensors", "optimizer": "optimizer.pt", "rng": "rng.pt"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that must not be loaded, or not into this run."""
 
 
@@ -234,9 +236,15 @@ def drafter_from_checkpoint(path: Path):
 
     from dflash_train.drafter import DFlashDrafter, config_from_dict
 
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder; give a run's checkpoints/step-N folder")
+    if (path / CHECKPOINTS).is_dir():
+        found = list_checkpoints(path)
+        raise CheckpointError(f"{path} is a run folder: give one of its checkpoints, e.g. "
+                              f"{found[-1] if found else path / CHECKPOINTS / 'step-N'}")
     problem = verify_checkpoint(path)
     if problem is not None:
-        raise ValueError(f"{path}: not a usable checkpoint: {problem}")
+        raise CheckpointError(f"{path}: not a usable checkpoint: {problem}")
     model = DFlashDrafter(config_from_dict(json.loads((path / DRAFTER_CONFIG).read_text()), str(path / DRAFTER_CONFIG)))
     model.load_state_dict(load_file(str(path / FILES["drafter"])))
     return model

@@ -1,4 +1,5 @@
-"""`dflash-train` command line: argument parsing and dispatch only, no logic."""
+"""`dflash-train` command line: argument parsing, dispatch, and the one place where errors become
+`dflash-train CMD: ...` lines and exit statuses (errors.py states the contract)."""
 
 from __future__ import annotations
 
@@ -42,32 +43,13 @@ def add_train_commands(commands) -> None:
 
 
 def run_train(args) -> int:
-    from dflash_train.checkpoint import CheckpointError
-    from dflash_train.config import ConfigError, load_config
-    from dflash_train.control import TrainingStopped
-    from dflash_train.dist import PeerFailure
+    from dflash_train.config import load_config
     from dflash_train.train import train
 
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
-    try:
-        cfg = load_config(args.config, overrides)
-        train(cfg)
-    except ConfigError as err:
-        print(f"dflash-train train: {err}", file=sys.stderr)
-        return 2
-    except TrainingStopped as err:
-        print(f"dflash-train train: stopped: {err}", file=sys.stderr)
-        return 1
-    except (CheckpointError, OSError) as err:  # a refused checkpoint file; a save on a full disk
-        print(f"dflash-train train: error: {err}", file=sys.stderr)
-        return 1
-    except PeerFailure as err:
-        print(f"dflash-train train: error: {err}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Not a normal exit: tearing down process groups whose peers are gone can block.
-        os._exit(3)
+    train(load_config(args.config, overrides))
     return 0
 
 
@@ -77,13 +59,10 @@ def run_export(args) -> int:
     import torch
 
     from dflash_train.checkpoint import drafter_from_checkpoint
-    from dflash_train.export import export_drafter
+    from dflash_train.export import check_export_folder, export_drafter
 
-    try:
-        drafter = drafter_from_checkpoint(Path(args.checkpoint))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"dflash-train export: {err}", file=sys.stderr)
-        return 2
+    check_export_folder(args.out, "--out")
+    drafter = drafter_from_checkpoint(Path(args.checkpoint))
     out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
     print(f"exported {args.checkpoint} -> {out}")
     return 0
@@ -281,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = list(args.overrides) + extra
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        else:  # said by the command's parser: `dflash-train CMD: error: ...`
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from dflash_train import __version__
 
@@ -291,7 +271,37 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return run_command(args)
+
+
+def run_command(args) -> int:
+    """`args.func(args)` under the error contract (errors.py): a UserError is said in its own
+    words with its exit status, a file operation the system refused (a full disk) exits 1; any
+    other exception is a bug and keeps its traceback."""
+    from dflash_train.errors import FAILED, PEER_LOST, UserError
+
+    command = " ".join(c for c in (args.command, getattr(args, "data_command", None)) if c)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        say(command, err)
+        if err.exit_code == PEER_LOST:
+            sys.stdout.flush()
+            # Not a normal exit: tearing down process groups whose peers are gone can block.
+            os._exit(PEER_LOST)
+        return err.exit_code
+    except OSError as err:
+        say(command, err)
+        return FAILED
+    except KeyboardInterrupt:
+        print(f"\ndflash-train {command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def say(command: str, err: BaseException) -> None:
+    """The error's message (and any notes added on its way up) as `dflash-train CMD: ...`."""
+    lines = [str(err) or type(err).__name__, *getattr(err, "__notes__", [])]
+    print(f"dflash-train {command}: " + "\n".join(lines), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

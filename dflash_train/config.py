@@ -18,6 +18,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from dflash_train.errors import InputError
+
 BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
 TINY_TARGET = "bundled:tiny-random-llama"
 QWEN_CODER_TARGET = "bundled:qwen2.5-coder-0.5b-instruct"
@@ -279,7 +281,7 @@ EMBEDDED_DEFAULT: dict = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """All problems of a configuration, one per line."""
 
     def __init__(self, problems: list[str]):

@@ -22,10 +22,14 @@ import signal
 import time
 from typing import NamedTuple
 
+from dflash_train.errors import FAILED, UserError
 
-class TrainingStopped(RuntimeError):
+
+class TrainingStopped(UserError, RuntimeError):
     """The run stopped itself (too many non-finite steps or failed target forwards); a
     checkpoint of the last good state was written."""
+
+    exit_code = FAILED
 
 
 class Stop(enum.Enum):

@@ -30,6 +30,7 @@ import numpy as np
 
 from dflash_train import assets
 from dflash_train.config import DataSection
+from dflash_train.errors import InputError, folder_problem
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 DEFAULT_MAX_LENGTH = DataSection.max_length  # the config's data.max_length (the paper's)
@@ -62,7 +63,7 @@ TOKENIZER_FILES = re.compile(
 )
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Bad data that the user must fix (strict mode, unusable paths, wrong --out folder)."""
 
 
@@ -508,6 +509,24 @@ def _to_dataset(samples: list[tuple[np.ndarray, np.ndarray]]):
     return datasets.Dataset.from_dict(table)
 
 
+def nothing_usable(files: Iterable[str | os.PathLike], num_records: int, skipped: list[Skip]) -> str:
+    """Why chat files gave no usable record, in words: empty, or every record skipped (by reason)."""
+    if num_records == 0:
+        why = "they hold no records"
+    else:
+        counts = collections.Counter(s.category for s in skipped).most_common()
+        why = f"all {num_records} records were skipped ({', '.join(f'{n} {reason}' for reason, n in counts)})"
+    return f"no usable records in {', '.join(map(str, files))}: {why}"
+
+
+def no_samples(prepared: Prepared) -> str:
+    """Why a prepared dataset is empty, from its report, and where every skip is listed."""
+    report = prepared.report
+    skipped = [Skip(**s) for s in report["skipped"]]
+    return (nothing_usable(report["files"], report["num_records"], skipped)
+            + f"; every skip is listed in {prepared.path / 'report.json'}")
+
+
 def strict_error(skipped: list[Skip]) -> DataError:
     lines = [f"  {s.file}:{s.line}: {s.reason}" for s in skipped]
     return DataError(
@@ -538,6 +557,9 @@ def prepare(
     out, target = Path(out), Path(target)
     if not target.is_dir():
         raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
+    problem = folder_problem(out)
+    if problem is not None:
+        raise DataError(f"--out {out}: {problem}: choose a folder you can write in")
     files = data_files(paths)
     key = fingerprint(files, target, max_length, overlong)
     if is_prepared_folder(out):
@@ -630,11 +652,9 @@ def load_prepared(path: str | os.PathLike):
 
 
 def run_prepare(args) -> int:
-    """`dflash-train data prepare`."""
-    try:
-        prepare(args.data, args.target, args.out, max_length=args.max_length,
-                overlong=args.overlong, strict=args.strict)
-    except DataError as err:
-        print(f"error: {err}")
-        return 1
+    """`dflash-train data prepare`: an empty result is an error (the report says why)."""
+    prepared = prepare(args.data, args.target, args.out, max_length=args.max_length,
+                       overlong=args.overlong, strict=args.strict)
+    if prepared.report["num_samples"] == 0:
+        raise DataError(no_samples(prepared))
     return 0

@@ -160,8 +160,30 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
 
 def run_cli(args) -> int:
     """`dflash-train bench --workload decode`."""
-    rows = tuple(int(r) for r in str(args.rows).split(",")) if args.rows else DEFAULT_ROWS
-    eager = tuple(int(r) for r in str(args.eager_rows).split(",")) if args.eager_rows else None
+    from dflash_train.errors import InputError, output_file_problem, problems_of
+    from dflash_train.target import resolve_device, resolve_target_path
+
+    def counts(flag: str, text: str | None) -> tuple[int, ...] | None:
+        try:
+            values = tuple(int(r) for r in str(text).split(",")) if text else None
+        except ValueError:
+            values = ()
+        if values is not None and not (values and all(v >= 1 for v in values)):
+            problems.append(f"{flag} {text}: give row counts >= 1 separated by commas, e.g. 1,64,256")
+        return values
+
+    problems = []
+    rows, eager = counts("--rows", args.rows) or DEFAULT_ROWS, counts("--eager-rows", args.eager_rows)
+    if args.new_tokens is not None and args.new_tokens < 1:
+        problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    problem = output_file_problem(args.output) if args.output else None
+    if problem is not None:
+        problems.append(f"--output {args.output}: {problem}")
+    problems += problems_of(lambda: resolve_device(args.device, setting="--device"))
+    if args.target:
+        problems += problems_of(lambda: resolve_target_path(args.target, "--target"))
+    if problems:
+        raise InputError("; ".join(problems))
     report = run_decode_bench(target=args.target, device=args.device, rows=rows,
                               new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, eager_rows=eager)
     line = json.dumps(report)

@@ -24,12 +24,15 @@ from datetime import timedelta
 import torch
 
 from dflash_train.config import ConfigError, TopologySection
+from dflash_train.errors import PEER_LOST, UserError
 
 TARGET, DRAFTER, BOTH = "target", "drafter", "both"
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(UserError, RuntimeError):
     """Another rank died or stopped answering within topology.timeout_s."""
+
+    exit_code = PEER_LOST
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,28 @@ def tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
     return None
 
 
+def target_problems(config, target_config) -> list[str]:
+    """Why a drafter config (`config`, as config_from_dict reads it) does not fit this target,
+    one line per mismatch: hidden size, vocabulary, number of layers, taps, mask token row. A
+    drafter trained for another target fails several of these."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    problems = []
+    if config.hidden_size != text.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != the target's {text.hidden_size}")
+    if config.vocab_size != text.vocab_size:
+        problems.append(f"vocabulary of {config.vocab_size} tokens != the target's {text.vocab_size}")
+    trained_on = _dflash_field(config, "num_target_layers")
+    if trained_on is not None and trained_on != text.num_hidden_layers:
+        problems.append(f"trained on a target of {trained_on} layers, this one has {text.num_hidden_layers}")
+    problem = tap_problem(_dflash_field(config, "target_layer_ids"), text.num_hidden_layers)
+    if problem:
+        problems.append(f"taps {problem}")
+    mask_id = _dflash_field(config, "mask_token_id")
+    if mask_id is not None and mask_id >= text.vocab_size:
+        problems.append(f"mask token {mask_id} has no embedding row (the target has {text.vocab_size})")
+    return problems
+
+
 def _max_window_layers(layer_types: list[str]) -> int:
     """The legacy Qwen2 reading of layer types: the first `max_window_layers` layers use full
     attention, the rest slide. Agrees with `layer_types` whenever the full layers come first;
@@ -557,19 +579,9 @@ class DFlashDrafter(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        cfg_file = path / CONFIG_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: a drafter folder holds config.json and {WEIGHTS_NAME}")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{cfg_file}: not valid JSON ({err})") from err
-        config = config_from_dict(raw, source=str(cfg_file))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        config = folder_config(path)
         state = {}
-        for f in files:
+        for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(str(f)))
         # Some exporters prefix names with "model."; the published names have no prefix.
         state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -582,6 +594,30 @@ class DFlashDrafter(nn.Module):
                 f"unexpected: {sorted(unexpected)})"
             )
         return model.to(device=device or "cpu", dtype=dtype)
+
+
+def folder_config(path: str | Path) -> Qwen3Config:
+    """The checked config of a drafter folder in the published format, without loading its
+    weights (it checks they are there): FileNotFoundError or ValueError saying what is wrong."""
+    path = Path(path)
+    cfg_file = path / CONFIG_NAME
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder; give a drafter folder (config.json and {WEIGHTS_NAME})")
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: a drafter folder holds config.json and {WEIGHTS_NAME}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{cfg_file}: not valid JSON ({err})") from err
+    if not (isinstance(raw, dict) and ("block_size" in raw or "dflash_config" in raw)):
+        kind = f" (a {raw['model_type']} model's folder?)" if isinstance(raw, dict) and raw.get("model_type") else ""
+        raise ValueError(f"{path}: not a DFlash drafter folder{kind}: its {CONFIG_NAME} has neither block_size nor "
+                         f"dflash_config; give a folder written by `dflash-train train` or `export`, or a published "
+                         f"DFlash drafter")
+    config = config_from_dict(raw, source=str(cfg_file))
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return config
 
 
 def config_from_dict(raw: dict, source: str = "config") -> Qwen3Config:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,9 @@ import torch
 
 from dflash_train import specdec
 from dflash_train.config import PROMPT_SETS
-from dflash_train.target import load_target_model, resolve_device, resolve_dtype
-from dflash_train.workers import WorkerError, parallel_map
+from dflash_train.errors import InputError, output_file_problem, problems_of
+from dflash_train.target import load_target_model, resolve_device, resolve_dtype, resolve_target_path
+from dflash_train.workers import parallel_map
 
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -52,13 +52,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+        try:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise InputError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+        except UnicodeDecodeError as err:
+            raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start} of a line); give a JSONL "
+                             f"file of {{\"turns\": [...]}} records") from err
     return rows
 
 
@@ -87,17 +91,18 @@ def load_prompts(name_or_file: str, limit: int | None = None) -> list[PromptReco
     else:
         path = Path(name_or_file)
         if not path.is_file():
-            raise ValueError(f"prompts {name_or_file!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
+            raise InputError(f"prompts {name_or_file!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
         records = []
         for i, r in enumerate(_read_jsonl(path)):
             turns = r.get("turns") if isinstance(r, dict) else None
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-                raise ValueError(f"{path}: record {i + 1} needs \"turns\": a non-empty list of strings")
+                raise InputError(f"{path}: record {i + 1} needs \"turns\": a non-empty list of strings")
             records.append(PromptRecord(str(r.get("id", i)), turns))
     if limit is not None:
         records = records[:limit]
     if not records:
-        raise ValueError(f"prompts {name_or_file!r}: no records")
+        what = "--limit leaves none" if limit is not None else "an empty file?"
+        raise InputError(f"prompts {name_or_file!r}: no records ({what})")
     return records
 
 
@@ -366,14 +371,26 @@ def write_outputs(result: dict, output: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------- loading and the CLI
 
 
+def model_problems(target: str, drafter: str) -> list[str]:
+    """What is wrong with --target (a model folder) and --drafter (a DFlash drafter folder for
+    that target), read from their config files alone, before anything is loaded."""
+    from transformers import AutoConfig
+
+    from dflash_train.export import drafter_config
+
+    problems = problems_of(lambda: resolve_target_path(target, "--target"))
+    config = None if problems else AutoConfig.from_pretrained(resolve_target_path(target, "--target"))
+    return problems + problems_of(lambda: drafter_config(drafter, "--drafter", config))
+
+
 def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype, temperature: float = 0.0,
                 graphs: bool = True):
     """(decoding engine of the target and a DFlashProposer of the drafter folder, tokenizer,
     stop ids) on `device`; the engine (specdec.Decoder) keeps its graphs for the process."""
-    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.export import load_drafter
 
     model, tokenizer = load_target_model(target, device, dtype)
-    draft = DFlashDrafter.from_pretrained(drafter, dtype=dtype, device=device).eval()
+    draft = load_drafter(drafter, "--drafter", dtype=dtype, device=device).eval()
     proposer = specdec.DFlashProposer.for_target(draft, model, graphs=graphs)
     engine = specdec.Decoder(model, proposer, temperature=temperature, graphs=graphs)
     return engine, tokenizer, specdec.stop_token_ids(tokenizer, model.generation_config)
@@ -452,9 +469,11 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
         ("--batch-size", batch_size, batch_size >= 1, ">= 1"),
         ("--speedup-turns", speedup_turns, speedup_turns >= 0, ">= 0 (0 times no turn)"),
         ("--eager-turns", eager_turns, eager_turns >= 0, ">= 0"),
-        ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1")) if not ok]
+        ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
+        ("--limit", limit, limit is None or limit >= 1, ">= 1 (leave it out for every prompt)")) if not ok]
+    problems += model_problems(target, drafter) + problems_of(lambda: resolve_device(device, setting="--device"))
     if problems:
-        raise ValueError("; ".join(problems))
+        raise InputError("; ".join(problems))
     dev = resolve_device(device, setting="--device")
     torch_dtype = resolve_dtype(dtype, dev)
     sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
@@ -524,18 +543,14 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
 def run_eval(args) -> int:
     """`dflash-train eval`."""
     prompts = [p.strip() for item in args.prompts for p in item.split(",") if p.strip()]
-    try:
-        result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
-                          eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
-                          graphs=not args.no_graphs)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"dflash-train eval: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"dflash-train eval: {err}", file=sys.stderr)
-        return 1
+    problem = output_file_problem(args.output)
+    if problem is not None:  # before the decoding, not after it
+        raise InputError(f"--output {args.output}: {problem}")
+    result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
+                      speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
+                      eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
+                      graphs=not args.no_graphs)
     written = write_outputs(result, args.output)
     print(markdown_summary(result))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
+
+from dflash_train.errors import InputError, MissingPath, folder_problem, output_file_problem
 
 PANELS = ("loss", "lr", "tau", "throughput", "stages")
 PANEL_INCHES = (6.4, 4.0)
@@ -27,7 +28,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The records of RUN_DIR/metrics.jsonl in order (a last line cut by a kill is left out)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run folder?)")
+        raise MissingPath(f"{path}: no such file (is {run_dir} a run folder?)")
     records = []
     for line in path.read_text().splitlines():
         try:
@@ -194,11 +195,10 @@ def report_run(run_dir: Path, drafter: Path, log=print) -> None:
 
 
 def run_cli(args) -> int:
-    try:
-        summary = write_report(Path(args.run_dir), args.out)
-    except FileNotFoundError as err:
-        print(f"dflash-train plot: {err}", file=sys.stderr)
-        return 2
+    problem = output_file_problem(args.out) if args.out else folder_problem(Path(args.run_dir) / "plots")
+    if problem is not None:
+        raise InputError(f"{args.out or args.run_dir}: {problem}")
+    summary = write_report(Path(args.run_dir), args.out)
     for line in summary_lines(summary):
         print(line)
     return 0

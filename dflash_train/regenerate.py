@@ -29,9 +29,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, render
+from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, nothing_usable, render
+from dflash_train.errors import output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
-from dflash_train.workers import WorkerError
 
 DEFAULT_MAX_NEW_TOKENS = 2048
 CHUNK_BATCHES = 4  # with --workers: records per chunk a worker regenerates = CHUNK_BATCHES * batch_size
@@ -350,7 +350,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     from dflash_train.target import resolve_device, resolve_target_path
     from dflash_train.workers import parallel_map
 
-    problems = [f"{name}={value}" for name, value in
+    problems = [f"{name}={value} (need >= 1)" for name, value in
                 (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("workers", workers),
                  ("max_prompt_length", max_prompt_length)) if value < 1]
     if temperature < 0 or not 0 < top_p <= 1:
@@ -360,6 +360,15 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     if servers and (workers != 1 or device != "auto" or model is not None):
         problems.append("--server sends every turn to the servers: --workers and --device (and a model "
                         "object) are for local generation only; leave them out")
+    if limit is not None and limit < 1:
+        problems.append(f"limit={limit} (need >= 1; leave it out for every record)")
+    problem = output_file_problem(out)
+    if problem is not None:
+        problems.append(f"--out {out}: {problem}")
+    if model is None:
+        problems += problems_of(lambda: resolve_target_path(str(target), "--target"))
+    if not servers:
+        problems += problems_of(lambda: resolve_device(device, setting="--device"))
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
     out = Path(out)
@@ -367,6 +376,8 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     skipped: list[Skip] = []
     for item in iter_records(paths):
         (skipped if isinstance(item, Skip) else records).append(item)
+    if not records:
+        raise DataError(f"--data: {nothing_usable(paths, len(skipped), skipped)}")
     done = resume_point(out, records)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
@@ -454,14 +465,10 @@ def run_regenerate(args) -> int:
                              servers=args.server,
                              server_options={"concurrency": args.concurrency, "model": args.server_model,
                                              "timeout": args.timeout, "retries": args.retries})
-    except (DataError, WorkerError) as err:
-        print(f"error: {err}")
-        return 1
     except ServerError as err:
-        print(f"error: {err}")
         if Path(args.out).exists():
-            print(f"the records already written to {args.out} stay; the same command resumes after them")
-        return 1
+            err.add_note(f"the records already written to {args.out} stay; the same command resumes after them")
+        raise
     for skip in summary["skipped"][:SHOWN_SKIPS]:
         print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")
     if len(summary["skipped"]) > SHOWN_SKIPS:

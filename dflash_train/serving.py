@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dflash_train.errors import FAILED, InputError, UserError
+
 
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TIMEOUT_S = 600.0
@@ -33,8 +35,10 @@ PROBE_PROMPT = "Hello"  # check()'s one-token request
 RETRIED_STATUS = (408, 409, 429)  # and every 5xx: the statuses the openai client retries
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """A server refused, failed or timed out (after its retries); the message names it."""
+
+    exit_code = FAILED
 
 
 def api_base(url: str) -> str:
@@ -121,7 +125,7 @@ class ServerPool:
         try:
             import openai
         except ModuleNotFoundError as err:
-            raise ServerError("--server needs the openai client: pip install 'dflash-train[serving]'") from err
+            raise InputError("--server needs the openai client: pip install 'dflash-train[serving]'") from err
         urls = list(urls)
         problems = [f"server {u!r} is not an http(s) URL" for u in urls if not u.startswith(("http://", "https://"))]
         problems += [f"{name}={value} (need > 0)" for name, value in
@@ -131,7 +135,7 @@ class ServerPool:
         if not urls:
             problems.append("no server given")
         if problems:
-            raise ServerError("invalid server settings: " + "; ".join(problems))
+            raise InputError("invalid server settings: " + "; ".join(problems))
         key = os.environ.get("OPENAI_API_KEY") or "none"  # local engines accept any key
         # A host that drops packets fails within CONNECT_TIMEOUT_S, not after a whole answer's time.
         timeouts = openai.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))

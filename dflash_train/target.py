@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, ConfigError, runs_whole_target
+from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, runs_whole_target
+from dflash_train.errors import InputError, MissingPath
 
 
-def resolve_target_path(path: str) -> Path:
-    """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use)."""
+def resolve_target_path(path: str, setting: str = "target.path") -> Path:
+    """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use);
+    `setting` names the option in errors."""
     if path == BUNDLED_TARGET:
         from dflash_train.assets import smollm2_dir
 
@@ -39,10 +41,8 @@ def resolve_target_path(path: str) -> Path:
         return qwen2_5_coder_dir()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"target.path={path!r} is not a Hugging Face model folder (no config.json); give the "
-            f"local folder of your target or '{BUNDLED_TARGET}'"
-        )
+        what = "no such folder" if not p.is_dir() else "not a Hugging Face model folder (no config.json)"
+        raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")
     return p
 
 
@@ -51,7 +51,7 @@ def resolve_device(name: str, setting: str = "train.device") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([f"{setting}=cuda but no CUDA device is visible: use {setting}=auto or cpu"])
+        raise InputError(f"{setting}=cuda but no CUDA device is visible: use {setting}=auto or cpu")
     return torch.device(name)
 
 

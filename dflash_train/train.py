@@ -24,9 +24,9 @@ from dflash_train.compilation import Compilation
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.control import Control, Stop, TrainingStopped
 from dflash_train.dist import Assignment, Dist
-from dflash_train.drafter import (DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id,
-                                  tap_problem)
-from dflash_train.export import export_drafter
+from dflash_train.drafter import DFlashDrafter, build_drafter_config, mask_token_string, resolve_mask_token_id
+from dflash_train.errors import UserError, folder_problem, problems_of
+from dflash_train.export import drafter_config, export_drafter, load_drafter
 from dflash_train.faults import Faults
 from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer, peak_memory_gib, quiet_progress_bars
 from dflash_train.plot import report_run
@@ -34,6 +34,40 @@ from dflash_train.produce import FeatureNoise, Producer
 from dflash_train.step import DrafterStep
 from dflash_train.target import TargetHeads, load_target, resolve_target_path
 from dflash_train.transport import Receiver, Sender
+
+def check_inputs(cfg: Config) -> None:
+    """What needs nothing heavy, checked before anything is loaded, every problem at once (one
+    ConfigError): the output folder (and data.cache_dir) can be written, the data paths exist and
+    hold chat files, the target folder is a model, drafter.init_from is a DFlash drafter folder
+    for that target (config files alone), and the device is there."""
+    from transformers import AutoConfig
+
+    from dflash_train import data
+    from dflash_train.target import resolve_device
+
+    problems = []
+    for name, folder in (("output_dir", cfg.output_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        problem = folder_problem(folder) if folder else None
+        if problem:
+            problems.append(f"{name} {folder}: {problem}: choose a folder you can write in")
+    paths = cfg.data.paths
+    if BUNDLED_DATA in paths and len(paths) > 1:
+        problems.append(f"data.paths: '{BUNDLED_DATA}' cannot be mixed with files")
+    elif paths != [BUNDLED_DATA] and not (len(paths) == 1 and data.is_prepared_folder(Path(paths[0]))):
+        for path in paths:
+            try:
+                data.data_files([path])
+            except UserError as err:
+                problems.append(f"data.paths: {err} (give chat files, folders of them, a folder written by "
+                                f"`dflash-train data prepare`, or '{BUNDLED_DATA}')")
+    target = problems_of(lambda: resolve_target_path(cfg.target.path))
+    problems += target + problems_of(lambda: resolve_device(cfg.train.device))
+    if cfg.drafter.init_from:
+        target_config = None if target else AutoConfig.from_pretrained(resolve_target_path(cfg.target.path))
+        problems += problems_of(lambda: drafter_config(cfg.drafter.init_from, "drafter.init_from", target_config))
+    if problems:
+        raise ConfigError(problems)
+
 
 def load_data(cfg: Config, target_dir: Path, log=print):
     """The prepared dataset (cached) for the configured chat data."""
@@ -47,13 +81,11 @@ def load_data(cfg: Config, target_dir: Path, log=print):
     if cfg.data.paths == [BUNDLED_DATA]:
         prepared = data.default_dataset(target_dir, max_length=cfg.data.max_length, log=log)
     else:
-        if BUNDLED_DATA in cfg.data.paths:
-            raise ConfigError([f"data.paths: '{BUNDLED_DATA}' cannot be mixed with files"])
         out = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "data"
         prepared = data.prepare(cfg.data.paths, target_dir, out, max_length=cfg.data.max_length,
                                 overlong=cfg.data.overlong, log=log)
     if len(prepared.dataset) == 0:
-        raise ConfigError([f"data.paths: no usable samples (see {prepared.path}/report.json)"])
+        raise ConfigError([f"data.paths: {data.no_samples(prepared)}"])
     return _limit(prepared.dataset, cfg)
 
 
@@ -68,19 +100,8 @@ def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
     d = cfg.drafter
     vocab_rows = int(target_config.get_text_config().vocab_size)
     if d.init_from:
-        drafter = DFlashDrafter.from_pretrained(d.init_from)
-        problems = []
-        text = target_config.get_text_config()
-        if drafter.config.hidden_size != text.hidden_size:
-            problems.append(f"drafter.init_from: hidden size {drafter.config.hidden_size} != target's {text.hidden_size}")
-        problem = tap_problem(drafter.target_layer_ids, text.num_hidden_layers)
-        if problem:
-            problems.append(f"drafter.init_from: taps {problem}")
-        if drafter.mask_token_id >= vocab_rows:
-            problems.append(f"drafter.init_from: mask token {drafter.mask_token_id} has no embedding row")
-        if problems:
-            raise ConfigError(problems)
-        return drafter
+        drafter_config(d.init_from, "drafter.init_from", target_config)
+        return load_drafter(d.init_from, "drafter.init_from")
     try:
         mask_id = resolve_mask_token_id(tokenizer, vocab_rows, d.mask_token_id)
         dcfg = build_drafter_config(
@@ -154,6 +175,8 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     from transformers import AutoConfig, AutoTokenizer
 
     assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
+    if target_config is None:
+        check_inputs(cfg)
     dist = Dist.from_env(cfg.topology, cfg.train.device) if dist is None else dist
     device = dist.device
     prefix = f"{dist.name()}: " if dist.world_size > 1 else ""
@@ -277,7 +300,7 @@ def train_drafter(run: Run) -> Path | None:
                 if stop is not None and stop.is_fault:
                     saved = checkpoints.save(n)
                     drain(run)
-                    raise TrainingStopped(control.explain(stop, saved))
+                    raise TrainingStopped(f"stopped: {control.explain(stop, saved)}")
                 if checkpoints.due(n):
                     checkpoints.save(n)
                     if stop is None and control.signalled_after_save(n):  # a signal during the save

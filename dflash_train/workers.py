@@ -8,7 +8,8 @@ process that builds its state once with `setup(device, *setup_args)` (typically:
 copy of the target on its device), then takes items from one shared queue and sends back
 `work(state, item)`. The parent yields the results in item order whatever order the workers
 finish in, so what a job writes does not depend on the number of workers. An exception in a
-worker ends the job with that worker's traceback; a worker that dies without one (killed, out
+worker ends the job with that worker's traceback (a UserError: with its message and exit
+status, as in the parent); a worker that dies without one (killed, out
 of memory, segfault) ends it too, naming its exit code. Nothing waits forever on a dead worker.
 
 `setup` and `work` must be module-level functions (spawn pickles them by name).
@@ -23,11 +24,18 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from dflash_train.errors import FAILED, UserError
+
 POLL_S = 1.0  # how often the parent checks for dead workers while it waits for results
 
 
-class WorkerError(RuntimeError):
-    """A worker process failed; the message carries its traceback or exit code."""
+class WorkerError(UserError, RuntimeError):
+    """A worker process failed; the message carries its traceback or exit code, or, for a
+    mistake of the user's that the worker found (a UserError), its message and exit code."""
+
+    def __init__(self, message: str, exit_code: int = FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def worker_devices(device: torch.device, num_workers: int) -> list[torch.device]:
@@ -49,8 +57,10 @@ def _worker(rank: int, device: torch.device, threads: int, setup: Callable, setu
         while (task := tasks.get()) is not None:
             index, item = task
             results.put((index, work(state, item), None))
+    except UserError as err:  # said in words, like in the parent: no traceback
+        results.put((None, None, (f"worker {rank} on {device}: {err}", err.exit_code)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent, then we exit
-        results.put((None, None, f"worker {rank} on {device} failed:\n{traceback.format_exc()}"))
+        results.put((None, None, (f"worker {rank} on {device} failed:\n{traceback.format_exc()}", FAILED)))
 
 
 def parallel_map(setup: Callable, setup_args: tuple, work: Callable, items: Iterable[Any], *,
@@ -93,7 +103,7 @@ def parallel_map(setup: Callable, setup_args: tuple, work: Callable, items: Iter
                     raise WorkerError(f"every worker exited but {len(items) - next_index} results never came back")
                 continue
             if error is not None:
-                raise WorkerError(error)
+                raise WorkerError(*error)
             done[index] = value
             while next_index in done:
                 yield done.pop(next_index)

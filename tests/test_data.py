@@ -335,8 +335,8 @@ def test_cli_data_prepare(tmp_path, smollm2_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["num_samples"] == 1 and report["max_length"] == 128
     assert cli.main(argv) == 0 and "cached" in capsys.readouterr().out
-    assert cli.main(argv + ["--strict"]) == 1
-    assert f"{src}:2: unknown role" in capsys.readouterr().out
+    assert cli.main(argv + ["--strict"]) == 2  # bad input (errors.py)
+    assert f"{src}:2: unknown role" in capsys.readouterr().err
 
 
 def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypatch):

@@ -254,7 +254,7 @@ def test_resume_with_another_global_batch_is_refused_naming_the_numbers_and_the_
     args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=2", "train.grad_accum=2"]
     assert cli.main(args) == 0
     capsys.readouterr()
-    assert cli.main([*args[:-1], "train.grad_accum=3"]) == 1
+    assert cli.main([*args[:-1], "train.grad_accum=3"]) == 2  # bad input (errors.py)
     err = capsys.readouterr().err
     assert (f"{tmp_path / 'checkpoints' / 'step-2'}: saved by a run of 1 drafter rank(s) x train.grad_accum=2 = 2 "
             f"micro-batches per step, but this run takes 1 x 3 = 3") in err

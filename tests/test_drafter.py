@@ -177,7 +177,11 @@ def test_foreign_published_config_loads_as_written(tmp_path):
 def test_bad_folders_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         DFlashDrafter.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 1}))
+    # A model's config (no block_size, no dflash_config) is not a drafter: said in one line.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="not a DFlash drafter folder .a llama model's folder"):
+        DFlashDrafter.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 1, "block_size": 4}))
     with pytest.raises(ValueError) as err:
         DFlashDrafter.from_pretrained(tmp_path)
     msg = str(err.value)

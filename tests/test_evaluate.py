@@ -244,13 +244,20 @@ def test_batch_size_gives_the_results_of_batch_one(tiny_setup, tmp_path, tempera
     assert docs[2]["settings"]["batch_size"] == 2 and docs[2]["speedup_turns"] == 4 and docs[2]["speedup"] > 0
 
 
-def test_a_failing_worker_fails_the_command(tmp_path, capsys):
+def test_a_failing_worker_fails_the_command(tiny_setup, tmp_path, capsys):
+    """Damaged weights pass the checks made before loading (config.json is fine) and fail in the
+    workers, which load them: the command fails with the worker's words and exit status."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_setup[3], damaged)
+    (damaged / "model.safetensors").write_bytes(b"\x07" * 64)
     prompts = write_prompts(tmp_path / "p.jsonl", [{"turns": ["a"]}, {"turns": ["b"]}])
-    rc = main(["eval", "--target", TINY, "--drafter", str(tmp_path / "no-such-drafter"), "--prompts", str(prompts),
+    rc = main(["eval", "--target", TINY, "--drafter", str(damaged), "--prompts", str(prompts),
                "--workers", "2", "--device", "cpu", "--output", str(tmp_path / "e.json")])
-    assert rc == 1
+    assert rc == 2
     err = capsys.readouterr().err
-    assert "worker" in err and "no-such-drafter" in err
+    assert "worker" in err and f"--drafter: {damaged}: weights unusable" in err and "Traceback" not in err
     assert main(["eval", "--target", TINY, "--drafter", "x", "--prompts", str(prompts), "--workers", "0",
                  "--speedup-turns", "-1", "--batch-size", "0", "--output", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err

@@ -140,8 +140,8 @@ def test_cli_regenerate(tmp_path, tiny_target, capsys):
     assert cli.main(argv) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["num_written"] == 2
     assert len(out.read_text().splitlines()) == 2
-    assert cli.main(argv[:-2] + ["--batch-size", "0"]) == 1
-    assert "batch_size=0" in capsys.readouterr().out
+    assert cli.main(argv[:-2] + ["--batch-size", "0"]) == 2  # bad input (errors.py)
+    assert "batch_size=0" in capsys.readouterr().err
 
 
 def test_template_refusal_cuts_instead_of_crashing(tmp_path, tiny_target):

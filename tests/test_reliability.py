@@ -210,7 +210,7 @@ def test_checkpoint_with_pickled_object_is_refused(tmp_path, capsys):
     with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: refused to load"):
         ckpt.load_checkpoint(step)
     capsys.readouterr()
-    assert cli.main(train_args(tmp_path, "train.max_steps=8")) == 1
+    assert cli.main(train_args(tmp_path, "train.max_steps=8")) == 2  # a file's content: bad input (errors.py)
     err = capsys.readouterr().err
     assert f"{hostile}: refused to load" in err and "weights_only=True" in err
     assert EXECUTED == []

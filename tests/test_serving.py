@@ -111,11 +111,13 @@ def stub():
 
 
 def regen(argv_tail, src, target, out, capsys):
-    """`data regenerate` through the CLI: its exit status and its printed lines."""
+    """`data regenerate` through the CLI: its exit status and its printed lines (stderr, where
+    errors go, then stdout, whose last line is the summary)."""
     argv = ["data", "regenerate", "--data", str(src), "--target", str(target), "--out", str(out),
             "--max-new-tokens", "6", "--batch-size", "1", *argv_tail]
     status = cli.main(argv)
-    return status, capsys.readouterr().out
+    printed = capsys.readouterr()
+    return status, printed.err + printed.out
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,7 @@ def test_served_output_equals_local_greedy(tmp_path, tiny_target, served, local_
                for turn in json.loads(line).get("conversations", json.loads(line).get("messages"))]
     assert summary["num_turns"] == 12 and len(set(answers)) > len(RECORDS)  # prompt-dependent answers
     status, printed = regen(["--server", served, "--device", "cpu"], src, tiny_target, tmp_path / "x.jsonl", capsys)
-    assert status == 1 and "--workers and --device" in printed
+    assert status == 2 and "--workers and --device" in printed  # bad input (errors.py)
     status, printed = regen(["--server", served], src, tiny_target, tmp_path / "x.jsonl", capsys)
     assert status == 1 and f"server {served}: cannot tell which model to ask (it lists [])" in printed
     assert "--server-model" in printed and not (tmp_path / "x.jsonl").exists()
