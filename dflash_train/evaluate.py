@@ -522,7 +522,15 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
 
 
 def run_eval(args) -> int:
-    """`dflash-train eval`."""
+    """`dflash-train eval`: prompts decoded (here), or data walked (`--walk`, walk.py)."""
+    if bool(args.prompts) == bool(getattr(args, "walk", None)):
+        print("dflash-train eval: give --prompts (served tau by decoding) or --walk DATA (walked tau on "
+              "data), not both or neither", file=sys.stderr)
+        return 2
+    if args.walk:
+        from dflash_train.walk import run_walk
+
+        return run_walk(args)
     prompts = [p.strip() for item in args.prompts for p in item.split(",") if p.strip()]
     try:
         result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
