@@ -310,11 +310,12 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
 def markdown_summary(result: dict) -> str:
     fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     s = result["settings"]
+    decoded = (f"temperature {s.get('temperature')}, max new tokens {s.get('max_new_tokens')}" if "walk" not in s
+               else "walked on the data's own replies (one forward per sample, no generation)")
     lines = [
         "# DFlash evaluation", "",
         f"- target: `{s.get('target')}`", f"- drafter: `{s.get('drafter')}`",
-        f"- block size {result['block_size']}, temperature {s.get('temperature')}, "
-        f"max new tokens {s.get('max_new_tokens')}, device {s.get('device')}, dtype {s.get('dtype')}", "",
+        f"- block size {result['block_size']}, {decoded}, device {s.get('device')}, dtype {s.get('dtype')}", "",
         "| set | prompts | turns | cycles | tau | tau (cycles) | speedup | lossless mismatches |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -527,18 +528,22 @@ def run_eval(args) -> int:
         print("dflash-train eval: give --prompts (served tau by decoding) or --walk DATA (walked tau on "
               "data), not both or neither", file=sys.stderr)
         return 2
-    if args.walk:
-        from dflash_train.walk import run_walk
-
-        return run_walk(args)
-    prompts = [p.strip() for item in args.prompts for p in item.split(",") if p.strip()]
+    prompts = [p.strip() for item in args.prompts or [] for p in item.split(",") if p.strip()]
     try:
-        result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
-                          eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
-                          graphs=not args.no_graphs)
-    except (ValueError, FileNotFoundError) as err:
+        if args.walk:
+            from dflash_train.metrics import quiet_progress_bars
+            from dflash_train.walk import evaluate_walk
+
+            quiet_progress_bars()
+            result = evaluate_walk(args.target, args.drafter, list(args.walk), limit=args.limit,
+                                   device=args.device, dtype=args.dtype)
+        else:
+            result = evaluate(args.target, args.drafter, prompts, limit=args.limit,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                              device=args.device, dtype=args.dtype, speedup=not args.no_speedup,
+                              speedup_turns=args.speedup_turns, eager_turns=args.eager_turns, workers=args.workers,
+                              batch_size=args.batch_size, graphs=not args.no_graphs)
+    except (ValueError, FileNotFoundError) as err:  # data.DataError and ConfigError are ValueErrors
         print(f"dflash-train eval: {err}", file=sys.stderr)
         return 2
     except WorkerError as err:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -346,21 +345,3 @@ def evaluate_walk(target: str, drafter: str, paths: list[str], *, limit: int | N
         doc["per_set"][s.name].update(loss=loss, acc_per_position=result.acc_per_position())
     doc["wall_s"] = {"walk": time.perf_counter() - started}
     return doc
-
-
-def run_walk(args) -> int:
-    """`dflash-train eval --walk DATA`."""
-    from dflash_train.evaluate import markdown_summary, write_outputs
-    from dflash_train.metrics import quiet_progress_bars
-
-    quiet_progress_bars()
-    try:
-        result = evaluate_walk(args.target, args.drafter, list(args.walk), limit=args.limit, device=args.device,
-                               dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as err:  # data.DataError and ConfigError are ValueErrors
-        print(f"dflash-train eval: {err}", file=sys.stderr)
-        return 2
-    written = write_outputs(result, args.output)
-    print(markdown_summary(result))
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0
