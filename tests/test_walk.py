@@ -82,8 +82,8 @@ def regenerated(tmp_path_factory):
 def test_walked_tau_equals_served_tau_on_the_targets_own_greedy_data(regenerated, monkeypatch):
     """Every turn's acceptance lengths from the walk (one teacher-forced forward per packed row
     of 4 samples) equal those of speculative decoding of that turn's prompt with the same
-    drafter, cycle for cycle, so the taus are equal exactly; also when the anchors of a row are
-    spread over many drafter forwards."""
+    drafter, cycle for cycle, so the taus are equal exactly; also with flex attention and the
+    GPU's padding, and when the anchors of a row are spread over many drafter forwards."""
     model, prompts, dataset, run = regenerated
     drafter = run.step.drafter
     walker = walk.Walker(dataset, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="sdpa",
@@ -94,6 +94,12 @@ def test_walked_tau_equals_served_tau_on_the_targets_own_greedy_data(regenerated
     assert [walked.turns[i] for i in range(len(prompts))] == served
     assert walked.tau == specdec.turn_mean_tau([t for s in served for t in s])
     assert len(set(walked.lengths())) >= 4 and 1.5 < walked.tau < 7, walked.record()  # not a trivial drafter
+    # The GPU's settings, run here with eager flex attention: the BlockMask, packed rows padded
+    # to the token budget, anchor counts padded to a multiple.
+    four = dataset.select(range(4))
+    flex = walk.Walker(four, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="flex",
+                       max_batch_size=4, pad_to=1024, anchor_multiple=8)(drafter)
+    assert [flex.turns[i] for i in range(4)] == served[:4]
     monkeypatch.setattr(walk, "DENSE_MASK_ENTRIES", 4000)  # a few blocks per forward
     assert walk.blocks_per_forward(200, drafter.block_size, "sdpa", 1) < 8
     again = walker(drafter)
