@@ -177,8 +177,8 @@ def summary_lines(summary: dict) -> list[str]:
     taus = [f"best {label} tau {b['value']:.2f} at step {b['step']}"
             for label, b in (("walked", summary["best_walked_tau"]), ("served", summary["best_served_tau"])) if b]
     if not taus and summary["final"]["tau_estimate"] is not None:
-        taus = [f"tau~ {summary['final']['tau_estimate']:.2f} at the end (training estimate; eval.every "
-                f"measures the served tau)"]
+        taus = [f"tau~ {summary['final']['tau_estimate']:.2f} at the end (training estimate, a diagnostic; "
+                f"data.validation with eval.every measures the walked tau)"]
     lines += taus
     if summary["drafter"]:
         which = (f" (step {summary['drafter_step']}: the {summary['drafter_choice']})"
