@@ -1,6 +1,8 @@
-"""Length-bucketed batches of prepared samples for the target.
+"""Length-bucketed batches of prepared samples for the target, and the validation split.
 
-Owns how an epoch of samples (data.py's `length` column) becomes padded batches: bucket
+Owns which samples are held out for validation (`validation_split`: a seeded hash of each
+sample's conversation, data.py's `conversation` column), and how an epoch of the training
+samples (data.py's `length` column) becomes padded batches: bucket
 boundaries (given, or from length quantiles), a token budget and a row cap per batch, the
 deterministic shuffle from (seed, epoch), and `BatchStream`, the endless stream of batches a run
 consumes by global index, so that resuming mid-epoch means continuing from an integer. Which
@@ -15,6 +17,7 @@ Shape suffixes: B rows of a batch, L padded length (the bucket boundary).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -190,3 +193,50 @@ class BatchStream:
             raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
                              "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
         return int(state["next_index"])
+
+
+# --------------------------------------------------------------------------- validation split
+
+
+def conversation_keys(dataset) -> list[str]:
+    """The conversation of every sample: data.prepare's `conversation` column (a hash of the
+    conversation's system and user turns), or, for data without it (prepared by an earlier
+    version, or rows built in code), a hash of the sample's tokens before its first supervised
+    token, its first prompt."""
+    if "conversation" in dataset.column_names:
+        return list(dataset["conversation"])
+    keys = []
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        first = int(np.argmax(mask)) if mask.any() else len(ids)
+        keys.append("tokens:" + hashlib.sha256(ids[:first].tobytes()).hexdigest()[:16])
+    return keys
+
+
+def split_hash(seed: int, key: str) -> float:
+    """Where conversation `key` falls in [0, 1) under `seed`: a pure function of the two, so the
+    split depends on nothing else (not the order of the data, not the other settings)."""
+    digest = hashlib.sha256(f"{int(seed)}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def validation_split(keys: Sequence[str], validation: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) sample indices, each in data order. `validation` is 0 (nothing
+    held out), a fraction in (0, 1) (the conversations whose hash is below it) or a count >= 1
+    (the conversations with the smallest hashes; identical prompt sides count once). Every
+    sample of a held-out conversation is held out. Raises ValueError when nothing would be
+    left to train on."""
+    keys = list(keys)
+    everything = np.arange(len(keys))
+    if not validation:
+        return everything, everything[:0]
+    where = {k: split_hash(seed, k) for k in dict.fromkeys(keys)}
+    if validation < 1:
+        held = {k for k, u in where.items() if u < validation}
+    else:
+        held = set(sorted(where, key=lambda k: (where[k], k))[: int(validation)])
+    if len(held) == len(where):
+        raise ValueError(f"data.validation={validation:g} holds out all {len(where)} conversations: nothing is "
+                         f"left to train on; hold out fewer")
+    is_held = np.fromiter((k in held for k in keys), dtype=bool, count=len(keys))
+    return everything[~is_held], everything[is_held]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -119,6 +120,30 @@ class GlobalSums:
             state = {"sums": {k: v if k in per_step else 0.0 for k, v in state["sums"].items()},
                      **{k: [0.0] * len(v) for k, v in state.items() if k != "sums"}}
         self.acc.load_state_dict(state)
+
+
+class BestCheckpoint:
+    """`checkpoint.keep_best`: the evaluation step with the best walked validation tau so far
+    (a part of trainer_state.json, so a resumed run keeps comparing against it). Its checkpoint
+    folder is never removed by keep-k, and the run exports it at the end."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.value: float | None = None
+
+    def offer(self, step: int, value: float | None) -> bool:
+        """Take `value` (the walked tau of `step`) if it beats the best so far; ties keep the
+        earlier step. Whether it was taken."""
+        if value is None or not math.isfinite(value) or (self.value is not None and value <= self.value):
+            return False  # missing (no walk on this step), nan (no cycle walked), or not better
+        self.step, self.value = int(step), float(value)
+        return True
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.value = state["step"], state["value"]
 
 
 class DataPosition:
@@ -279,8 +304,9 @@ class CheckpointManager:
     """Saves and resumes the declared stateful parts of one rank's run.
 
     `parts` maps a name to something with `state_dict()` / `load_state_dict()`, or to None on a
-    rank that lacks it (a target rank has no drafter). The leader (drafter rank 0) holds every
-    part and writes the folder; with several ranks it opens a shared temporary folder, every rank
+    rank that lacks it (a target rank has no drafter); a `best` part (BestCheckpoint) names a
+    checkpoint that keep-k never removes. The leader (drafter rank 0) holds every part and
+    writes the folder; with several ranks it opens a shared temporary folder, every rank
     writes its own `rank-R` files into it, then the leader adds the rest and renames it. Every
     rank calls `save` at the same steps (parts may run collectives there) and `resume` once.
     `enabled=False` (benchmarks): nothing is resumed or written, on every rank alike."""
@@ -350,8 +376,11 @@ class CheckpointManager:
                 raise OSError(f"saving checkpoint step-{step} in {root} failed ({err}); the previous "
                               f"checkpoints are untouched") from err
             raise
+        best = self.parts.get("best")
+        kept = f"step-{best.step}" if best is not None and best.step is not None else None
         for old in list_checkpoints(self.out)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != kept:
+                shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> int | None:
         """Restore the newest verified checkpoint into this rank's parts; returns its step (None:
@@ -394,4 +423,6 @@ class CheckpointManager:
         if name == "rng":
             own = path / f"rank-{self.dist.rank}.pt"
             return _load_tensors(own if same_topology and own.is_file() else path / FILES["rng"], "cpu")
+        if name == "best" and name not in state:  # saved before checkpoint.keep_best was turned on
+            return BestCheckpoint().state_dict()
         return state[name]

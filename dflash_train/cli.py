@@ -157,9 +157,14 @@ def add_eval_command(commands) -> None:
     ev.add_argument("--target", required=True, metavar="DIR",
                     help="the target's Hugging Face folder, or bundled:smollm2-135m-instruct / bundled:tiny-random-llama")
     ev.add_argument("--drafter", required=True, metavar="DIR", help="a drafter folder in the published DFlash format")
-    ev.add_argument("--prompts", required=True, action="append", metavar="NAME_OR_FILE",
+    ev.add_argument("--prompts", action="append", metavar="NAME_OR_FILE",
                     help="mt-bench, humaneval, gsm8k or a JSONL file of {\"turns\": [...]}; comma-separated "
-                    "or repeated for several sets (results per set)")
+                    "or repeated for several sets (results per set); this or --walk")
+    ev.add_argument("--walk", action="append", metavar="DATA",
+                    help="instead of decoding prompts, the walked tau of the drafter on chat files (.json, "
+                    ".jsonl, .parquet, folders of them) or a prepared folder: the acceptance of every turn "
+                    "of the data as serving would walk it, from one forward per sample, no generation "
+                    "(repeated for several sets; --limit N: first N samples; docs/EVALUATION.md)")
     ev.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts of each set")
     ev.add_argument("--max-new-tokens", type=int, default=evaluate.DEFAULT_MAX_NEW_TOKENS, metavar="N",
                     help="tokens per response at most (default %(default)s)")

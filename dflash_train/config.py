@@ -72,7 +72,17 @@ class DataSection:
     """Tokens per sample after the chat template; longer samples are handled by `overlong`."""
     overlong: Literal["truncate", "drop"] = "truncate"
     limit: int | None = None
-    """Use only the first N prepared samples (quick runs)."""
+    """Use only the first N training samples (quick runs), counted after the validation split."""
+    validation: int | float = 0
+    """Conversations held out of training for validation (walked tau and validation loss every
+    `eval.every` steps): a count (an integer >= 1), a fraction in (0, 1), or 0 (off). Picked by
+    a seeded hash of each conversation's prompt side (its system and user turns), so the split
+    is the same in every run on the same data, whatever the order of the files and the other
+    settings (data.limit, the target, train.seed); every sample of a held-out conversation is
+    held out. A fraction holds out each conversation whose hash falls below it; a count the
+    conversations with the smallest hashes. docs/DATA.md, "Validation split"."""
+    validation_seed: int = 0
+    """Seed of the validation split's hash: another seed holds out other conversations."""
     token_budget: int = 16384
     """Padded target tokens per micro-batch (rows x bucket length)."""
     max_batch_size: int = 64
@@ -164,6 +174,11 @@ class CheckpointSection:
     """Keep the newest K checkpoints."""
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the exported drafter folder."""
+    keep_best: bool = False
+    """Keep the checkpoint of the evaluation step with the best walked validation tau (never
+    removed by `keep`) and export that one instead of the last step's. Needs the walked tau
+    (data.validation and eval.every) and a checkpoint at every evaluation step (eval.every a
+    multiple of `every`). Ties keep the earlier step."""
 
 
 @dataclass
@@ -189,11 +204,14 @@ class LogSection:
 @dataclass
 class EvalSection:
     every: int = 0
-    """Measure tau by real speculative decoding every N optimizer steps (0: never). Must be a
-    multiple of log.every: the results go into that step's metrics.jsonl record. Loads a second,
-    full copy of the target (the training target stops at the last tapped layer)."""
-    prompts: str = "mt-bench"
-    """Held-out prompts: mt-bench, humaneval, gsm8k, or a JSONL file of {"turns": [...]}."""
+    """Evaluate every N optimizer steps (0: never): the walked tau and validation loss on the
+    held-out split (data.validation), and the served tau of real speculative decoding on
+    `prompts`. Must be a multiple of log.every: the results go into that step's metrics.jsonl
+    record. The served evaluation loads a second, full copy of the target (the training target
+    stops at the last tapped layer)."""
+    prompts: str | None = "mt-bench"
+    """Prompts of the served evaluation: mt-bench, humaneval, gsm8k, or a JSONL file of
+    {"turns": [...]}; null: none (the walked tau on the validation split only)."""
     limit: int | None = 4
     """Evaluate only the first N prompts of the set (null: all)."""
     max_new_tokens: int = 64
@@ -534,8 +552,24 @@ def validate(cfg: Config) -> list[str]:
                  f"evaluation results are written into that step's log record")
     positive("eval.limit", cfg.eval.limit, allow_none=True)
     positive("eval.max_new_tokens", cfg.eval.max_new_tokens)
-    if cfg.eval.every and cfg.eval.prompts not in PROMPT_SETS and not Path(cfg.eval.prompts).is_file():
-        p.append(f"eval.prompts must be mt-bench, humaneval, gsm8k or an existing JSONL file, got {cfg.eval.prompts!r}")
+    if (cfg.eval.every and cfg.eval.prompts is not None and cfg.eval.prompts not in PROMPT_SETS
+            and not Path(cfg.eval.prompts).is_file()):
+        p.append(f"eval.prompts must be mt-bench, humaneval, gsm8k, an existing JSONL file or null, "
+                 f"got {cfg.eval.prompts!r}")
+    v = cfg.data.validation
+    if v < 0 or (v >= 1 and v != int(v)):
+        p.append(f"data.validation must be 0 (off), a count of conversations (an integer >= 1) or a "
+                 f"fraction in (0, 1), got {v!r}")
+    if cfg.eval.every and cfg.eval.prompts is None and not v:
+        p.append("eval.every is set but there is nothing to evaluate: set data.validation (walked tau on "
+                 "held-out conversations) or eval.prompts (served tau)")
+    if cfg.checkpoint.keep_best:
+        if not (cfg.eval.every and v):
+            p.append("checkpoint.keep_best needs the walked validation tau: set data.validation and eval.every")
+        elif cfg.checkpoint.every > 0 and cfg.eval.every % cfg.checkpoint.every:
+            p.append(f"checkpoint.keep_best keeps the checkpoint of the best evaluation step, so every "
+                     f"evaluation step must save one: make eval.every ({cfg.eval.every}) a multiple of "
+                     f"checkpoint.every ({cfg.checkpoint.every})")
     t = cfg.topology
     if t.mode == "disaggregated":
         if t.num_target_ranks is None or t.num_target_ranks < 1:

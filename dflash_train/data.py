@@ -460,10 +460,20 @@ def is_prepared_folder(path: Path) -> bool:
         return False
 
 
+def conversation_key(messages: list[dict[str, str]]) -> str:
+    """What identifies a conversation for the validation split: a hash of its prompt side (the
+    system and user turns, in order), so that the raw and the regenerated versions of a chat,
+    several sampled responses to one prompt, and the samples of a template that rewrites
+    earlier turns all fall on the same side of the split."""
+    prompt_side = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    return hashlib.sha256(json.dumps(prompt_side).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def _build_samples(tokenizer, special, records: list[Record], max_length: int, overlong: str,
-                   skipped: list[Skip], counts: collections.Counter) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Samples of a chunk of records (tokenized in one call, which the fast tokenizer runs
-    in parallel), with template failures and dropped samples appended to `skipped`."""
+                   skipped: list[Skip], counts: collections.Counter) -> list[tuple]:
+    """Samples (ids, loss mask, conversation key, "file:line") of a chunk of records
+    (tokenized in one call, which the fast tokenizer runs in parallel), with template failures
+    and dropped samples appended to `skipped`."""
     texts, owners = [], []
     for record in records:
         try:
@@ -488,23 +498,26 @@ def _build_samples(tokenizer, special, records: list[Record], max_length: int, o
                                 "too few supervised tokens: fewer than two adjacent supervised tokens"
                                 + (" after truncation" if truncated else "")))
             continue
-        kept.append((ids, mask))
+        kept.append((ids, mask, conversation_key(record.messages), f"{record.file}:{record.line}"))
     return kept
 
 
-def _to_dataset(samples: list[tuple[np.ndarray, np.ndarray]]):
+def _to_dataset(samples: list[tuple]):
     import datasets
     import pyarrow as pa
 
-    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+    lengths = np.array([len(ids) for ids, *_ in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    values_ids = np.concatenate([ids for ids, _ in samples]) if samples else np.zeros(0, np.int32)
-    values_mask = np.concatenate([m for _, m in samples]) if samples else np.zeros(0, np.uint8)
+    values_ids = np.concatenate([ids for ids, *_ in samples]) if samples else np.zeros(0, np.int32)
+    values_mask = np.concatenate([m for _, m, *_ in samples]) if samples else np.zeros(0, np.uint8)
     table = {
         "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_ids, pa.int32())),
         "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_mask, pa.uint8())),
         "length": pa.array(lengths.astype(np.int32)),
+        # Which conversation a sample comes from (the validation split) and where it was read.
+        "conversation": pa.array([key for *_, key, _ in samples], pa.string()),
+        "source": pa.array([source for *_, source in samples], pa.string()),
     }
     return datasets.Dataset.from_dict(table)
 
@@ -605,8 +618,8 @@ def prepare(
         "num_skipped": len(skipped),
         "skipped_by_reason": dict(collections.Counter(s.category for s in skipped).most_common()),
         "num_truncated": counts["num_truncated"],
-        "num_tokens": int(sum(len(ids) for ids, _ in samples)),
-        "num_supervised_tokens": int(sum(int(m.sum()) for _, m in samples)),
+        "num_tokens": int(sum(len(ids) for ids, *_ in samples)),
+        "num_supervised_tokens": int(sum(int(m.sum()) for _, m, *_ in samples)),
         "max_length": max_length,
         "overlong": overlong,
         "target": str(target.resolve()),

@@ -315,11 +315,12 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
 def markdown_summary(result: dict) -> str:
     fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     s = result["settings"]
+    decoded = (f"temperature {s.get('temperature')}, max new tokens {s.get('max_new_tokens')}" if "walk" not in s
+               else "walked on the data's own replies (one forward per sample, no generation)")
     lines = [
         "# DFlash evaluation", "",
         f"- target: `{s.get('target')}`", f"- drafter: `{s.get('drafter')}`",
-        f"- block size {result['block_size']}, temperature {s.get('temperature')}, "
-        f"max new tokens {s.get('max_new_tokens')}, device {s.get('device')}, dtype {s.get('dtype')}", "",
+        f"- block size {result['block_size']}, {decoded}, device {s.get('device')}, dtype {s.get('dtype')}", "",
         "| set | prompts | turns | cycles | tau | tau (cycles) | speedup | lossless mismatches |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -541,16 +542,27 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
 
 
 def run_eval(args) -> int:
-    """`dflash-train eval`."""
-    prompts = [p.strip() for item in args.prompts for p in item.split(",") if p.strip()]
+    """`dflash-train eval`: prompts decoded (here), or data walked (`--walk`, walk.py)."""
+    if bool(args.prompts) == bool(getattr(args, "walk", None)):
+        raise InputError("give --prompts (served tau by decoding) or --walk DATA (walked tau on data), "
+                         "not both or neither")
+    prompts = [p.strip() for item in args.prompts or [] for p in item.split(",") if p.strip()]
     problem = output_file_problem(args.output)
     if problem is not None:  # before the decoding, not after it
         raise InputError(f"--output {args.output}: {problem}")
-    result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
-                      speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
-                      eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
-                      graphs=not args.no_graphs)
+    if args.walk:
+        from dflash_train.metrics import quiet_progress_bars
+        from dflash_train.walk import evaluate_walk
+
+        quiet_progress_bars()
+        result = evaluate_walk(args.target, args.drafter, list(args.walk), limit=args.limit,
+                               device=args.device, dtype=args.dtype)
+    else:
+        result = evaluate(args.target, args.drafter, prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed, device=args.device, dtype=args.dtype,
+                          speedup=not args.no_speedup, speedup_turns=args.speedup_turns,
+                          eager_turns=args.eager_turns, workers=args.workers, batch_size=args.batch_size,
+                          graphs=not args.no_graphs)
     written = write_outputs(result, args.output)
     print(markdown_summary(result))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -210,6 +210,8 @@ def console_line(record: dict, total_steps: int, eta_s: float | None) -> str:
     parts = [f"step {record['step']:>{width}}/{total_steps}", f"loss {record['loss']:.4f}"]
     if record.get("walked_tau") is not None:
         parts.append(f"walked tau {record['walked_tau']:.2f}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val loss {record['val_loss']:.4f}")
     if record.get("eval_tau") is not None:
         parts.append(f"eval tau {record['eval_tau']:.2f}")
     parts += [f"tau~ {record['tau_estimate']:.2f}", f"{record['tokens_per_s']:.0f} tok/s",
@@ -284,6 +286,8 @@ class WandbRun:
             payload["histogram/run_length"] = self.histogram(record["run_histogram"], first=0)
         if record.get("eval_histogram"):
             payload["histogram/eval_acceptance"] = self.histogram(record["eval_histogram"], first=1)
+        if record.get("walked_histogram"):
+            payload["histogram/walked_acceptance"] = self.histogram(record["walked_histogram"], first=1)
         if record.get("eval_acceptance_lengths") is not None:
             payload["eval/per_prompt"] = self.acceptance_table(record["eval_acceptance_lengths"])
         self.run.log(payload, step=record["step"])
@@ -353,6 +357,13 @@ class MetricsSink:
         if self.bar is not None:
             self.bar.update(n)
 
+    def _describe(self, record: dict) -> None:
+        """The bar leads with the last walked tau (else the training estimate tau~)."""
+        if record.get("walked_tau") is not None:
+            self.bar.set_description_str(f"walked tau {record['walked_tau']:.2f}")
+        elif not (self.bar.desc or "").startswith("walked"):
+            self.bar.set_description_str(f"tau~ {record['tau_estimate']:.2f}")
+
     def eta_s(self, step: int) -> float | None:
         """Seconds to the last step at this invocation's pace so far (evaluations and saves
         included); None before the first step."""
@@ -371,8 +382,15 @@ class MetricsSink:
                     self.tb.add_scalar(f"train/{k}", v, step)
             for k, v in record.get("stage_s", {}).items():
                 self.tb.add_scalar(f"stage_s/{k}", v, step)
+            # The tau group side by side, the walked (validation) one first.
+            for tag, key in (("tau/1_walked", "walked_tau"), ("tau/2_served", "eval_tau"),
+                             ("tau/3_estimate", "tau_estimate")):
+                if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
+                    self.tb.add_scalar(tag, record[key], step)
         if self.wandb is not None:
             self.wandb.log(record)
+        if self.bar is not None:
+            self._describe(record)
         self.event(console_line(record, self.total_steps, self.eta_s(step)))
 
     def event(self, text: str) -> None:

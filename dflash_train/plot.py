@@ -3,10 +3,10 @@ summary's console lines.
 
 Owns what `dflash-train plot RUN_DIR` writes and what `train` writes when it ends: an overview
 figure (`plots/run.png` by default) and one PNG per panel beside it (`run-loss.png`, ...) of
-the loss, the learning rate, tau (walked and served when the records have them, the training
+the loss (training, and validation when measured), the learning rate, tau (walked and served when the records have them, the training
 estimate tau~ always), tokens/s and each stage's share of the logged step time; and
 `summary.json` (steps, training time, throughput, final figures, best walked and served tau,
-the exported drafter). Reads the run folder only, so it works on any run, finished or not.
+the exported drafter and which step's weights it holds). Reads the run folder only, so it works on any run, finished or not.
 """
 
 from __future__ import annotations
@@ -49,8 +49,12 @@ def draw_panel(ax, name: str, records: list[dict]) -> None:
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     if name == "loss":
-        ax.plot(*series(records, "loss"), color="#4c72b0")
-        ax.set_title("training loss (decayed block cross-entropy)")
+        ax.plot(*series(records, "loss"), color="#4c72b0", label="training")
+        validation = series(records, "val_loss")
+        if validation[0]:
+            ax.plot(*validation, color="#c44e52", marker="o", label="validation (every anchor)")
+            ax.legend(loc="best", fontsize="small")
+        ax.set_title("loss (decayed block cross-entropy)")
     elif name == "lr":
         ax.plot(*series(records, "lr"), color="#55a868")
         ax.set_title("learning rate")
@@ -120,9 +124,25 @@ def best(records: list[dict], key: str) -> dict | None:
     return {"step": steps[i], "value": values[i]}
 
 
-def summarize(records: list[dict], drafter: Path | None) -> dict:
+def exported_step(run_dir: Path, records: list[dict]) -> tuple[int | None, str]:
+    """Whose weights RUN_DIR/drafter holds, read from the run's config.yaml and records: with
+    checkpoint.keep_best, the step of the best walked tau (when one was measured); else the
+    last step."""
+    import yaml
+
+    config = Path(run_dir) / "config.yaml"
+    settings = yaml.safe_load(config.read_text()) if config.is_file() else None
+    keep_best = bool(((settings or {}).get("checkpoint") or {}).get("keep_best"))
+    walked = best(records, "walked_tau")
+    if keep_best and walked is not None:
+        return walked["step"], "best walked tau"
+    return (records[-1]["step"] if records else None), "last step"
+
+
+def summarize(records: list[dict], drafter: Path | None, drafter_step: tuple[int | None, str] = (None, "")) -> dict:
     """The run in figures. Training time is the sum of the logged intervals (saves included,
-    in-training evaluations not); tokens and samples are summed the same way."""
+    in-training evaluations not); tokens and samples are summed the same way. `drafter_step`:
+    (step, why) of the exported weights (`exported_step`)."""
     train_s = sum(r.get("interval_s", 0.0) for r in records)
     tokens = sum(r.get("tokens_per_s", 0.0) * r.get("interval_s", 0.0) for r in records)
     samples = sum(r.get("samples_per_s", 0.0) * r.get("interval_s", 0.0) for r in records)
@@ -142,6 +162,8 @@ def summarize(records: list[dict], drafter: Path | None) -> dict:
         "skipped_batches": sum(r.get("skipped_batches", 0) for r in records),
         "peak_memory_gib": max(memory) if memory else None,
         "drafter": str(drafter) if drafter is not None else None,
+        "drafter_step": drafter_step[0] if drafter is not None else None,
+        "drafter_choice": drafter_step[1] if drafter is not None else None,
     }
 
 
@@ -156,10 +178,15 @@ def summary_lines(summary: dict) -> list[str]:
     taus = [f"best {label} tau {b['value']:.2f} at step {b['step']}"
             for label, b in (("walked", summary["best_walked_tau"]), ("served", summary["best_served_tau"])) if b]
     if not taus and summary["final"]["tau_estimate"] is not None:
-        taus = [f"tau~ {summary['final']['tau_estimate']:.2f} at the end (training estimate; eval.every "
-                f"measures the served tau)"]
+        taus = [f"tau~ {summary['final']['tau_estimate']:.2f} at the end (training estimate, a diagnostic; "
+                f"data.validation with eval.every measures the walked tau)"]
     lines += taus
-    lines.append(f"drafter exported to {summary['drafter']}" if summary["drafter"] else "drafter: not exported")
+    if summary["drafter"]:
+        which = (f" (step {summary['drafter_step']}: the {summary['drafter_choice']})"
+                 if summary.get("drafter_step") is not None else "")
+        lines.append(f"drafter exported to {summary['drafter']}{which}")
+    else:
+        lines.append("drafter: not exported")
     if summary.get("plots"):
         lines.append(f"plots: {summary['plots'][0]} (+ {len(summary['plots']) - 1} panels); "
                      f"summary: {summary['summary']}")
@@ -173,7 +200,7 @@ def write_report(run_dir: Path, out: Path | None = None, drafter: Path | None = 
     records = read_metrics(run_dir)
     if drafter is None and (run_dir / "drafter" / "config.json").is_file():
         drafter = run_dir / "drafter"
-    summary = summarize(records, drafter)
+    summary = summarize(records, drafter, exported_step(run_dir, records))
     summary["plots"] = [str(p) for p in draw(records, Path(out) if out else run_dir / "plots" / "run.png")]
     summary["summary"] = str(run_dir / "summary.json")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

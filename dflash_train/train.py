@@ -1,12 +1,14 @@
 """The training run: `build(cfg) -> Run`, which declares every part of a rank, and its two loops.
 
-Owns building a run from the config (the data and its batch plan, the target or its heads, the
-drafter, the producer and the drafter step, transport, stop control, checkpoints, compilation)
-and the loops: `train_drafter` (a drafter rank, or a colocated rank, or the single process)
-takes one step after another and holds the cadence in plain `step % every == 0` checks: log
-(the one host sync of an interval), evaluate, checkpoint, export at the end; `train_target`
-(a target rank of a disaggregated run) makes and sends the micro-batches of the steps ahead,
-joining each step's stop agreement and checkpoint when it falls due.
+Owns building a run from the config (the data, its validation split and its batch plan, the
+target or its heads, the drafter, the producer and the drafter step, transport, stop control,
+checkpoints, compilation) and the loops: `train_drafter` (a drafter rank, or a colocated rank,
+or the single process) takes one step after another and holds the cadence in plain
+`step % every == 0` checks: log (the one host sync of an interval), evaluate (walked tau on
+the validation split, served tau on prompts), checkpoint, export at the end (the best walked
+tau's checkpoint with checkpoint.keep_best); `train_target` (a target rank of a disaggregated
+run) makes and sends the micro-batches of the steps ahead, joining each step's stop agreement
+and checkpoint when it falls due.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Callable
 import torch
 
 from dflash_train.batching import BatchPlan, BatchStream
-from dflash_train.checkpoint import DRAFTER_CONFIG, CheckpointManager, DataPosition, GlobalSums, RngState
+from dflash_train.checkpoint import (DRAFTER_CONFIG, BestCheckpoint, CheckpointManager, DataPosition, GlobalSums,
+                                     RngState, checkpoint_root, drafter_from_checkpoint)
 from dflash_train.compilation import Compilation
 from dflash_train.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.control import Control, Stop, TrainingStopped
@@ -70,14 +73,15 @@ def check_inputs(cfg: Config) -> None:
 
 
 def load_data(cfg: Config, target_dir: Path, log=print):
-    """The prepared dataset (cached) for the configured chat data."""
+    """The prepared dataset (cached) for the configured chat data, whole: before the validation
+    split and data.limit (`split_data`)."""
     from dflash_train import data
 
     if len(cfg.data.paths) == 1 and data.is_prepared_folder(Path(cfg.data.paths[0])):
         # A folder written by `dflash-train data prepare` (or a trainer's cache) is used as is.
         dataset = data.load_prepared(cfg.data.paths[0])
         log(f"data: {len(dataset)} prepared samples from {cfg.data.paths[0]}")
-        return _limit(dataset, cfg)
+        return dataset
     if cfg.data.paths == [BUNDLED_DATA]:
         prepared = data.default_dataset(target_dir, max_length=cfg.data.max_length, log=log)
     else:
@@ -86,13 +90,31 @@ def load_data(cfg: Config, target_dir: Path, log=print):
                                 overlong=cfg.data.overlong, log=log)
     if len(prepared.dataset) == 0:
         raise ConfigError([f"data.paths: {data.no_samples(prepared)}"])
-    return _limit(prepared.dataset, cfg)
+    return prepared.dataset
 
 
-def _limit(dataset, cfg: Config):
-    if cfg.data.limit is not None and cfg.data.limit < len(dataset):
-        return dataset.select(range(cfg.data.limit))
-    return dataset
+def split_data(cfg: Config, dataset, log=print, limit: bool = True):
+    """(training samples, validation samples or None): the conversations `data.validation`
+    holds out (batching.validation_split, chosen from the whole data so that data.limit does
+    not move it), then the first data.limit training samples (`limit`)."""
+    from dflash_train.batching import conversation_keys, validation_split
+
+    validation = None
+    if cfg.data.validation:
+        keys = conversation_keys(dataset)
+        try:
+            train_idx, val_idx = validation_split(keys, cfg.data.validation, cfg.data.validation_seed)
+        except ValueError as err:
+            raise ConfigError([str(err)]) from err
+        if len(val_idx):
+            validation = dataset.select(val_idx)
+            dataset = dataset.select(train_idx)
+        measured = f"walked every {cfg.eval.every} steps" if cfg.eval.every else "not measured: eval.every is 0"
+        log(f"data: {len({keys[i] for i in val_idx})} conversations ({len(val_idx)} samples) held out for "
+            f"validation (data.validation={cfg.data.validation:g}; {measured}), {len(dataset)} samples for training")
+    if limit and cfg.data.limit is not None and cfg.data.limit < len(dataset):
+        dataset = dataset.select(range(cfg.data.limit))
+    return dataset, validation
 
 
 def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
@@ -159,6 +181,9 @@ class Run:
     steps_done: int = 0
     evaluator: object | None = None
     waits_logged: list[float] | None = None
+    validation: object | None = None  # the held-out samples (data.validation), or None
+    walker: object | None = None  # walk.Walker of the validation samples, built at the first evaluation
+    best: BestCheckpoint | None = None  # checkpoint.keep_best: the best walked tau so far
 
 
 def build(cfg: Config, log=print, *, target_config=None, build_target=None, build_heads=None, dataset=None,
@@ -197,7 +222,9 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)  # initial weights are a function of the seed alone
         drafter = build_drafter(cfg, target_config, tokenizer)
-    dataset = load_data(cfg, target_dir, lead_log) if dataset is None else dataset
+    loaded = dataset is None
+    dataset = load_data(cfg, target_dir, lead_log) if loaded else dataset
+    dataset, validation = split_data(cfg, dataset, lead_log, limit=loaded)
     plan = batch_plan(cfg, dataset["length"])
     pad_id = getattr(tokenizer, "pad_token_id", None)
     stream = BatchStream(dataset, plan, pad_id=0 if pad_id is None else pad_id)
@@ -223,13 +250,15 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
                            acc=Accumulator(drafter.block_size, device), timer=timer)
     compilation.apply(drafter=step.drafter if step is not None else None, target=target)
     control = Control(cfg.train, dist, M)
+    best = BestCheckpoint() if cfg.checkpoint.keep_best and step is not None else None
     checkpoints = _checkpoint_manager(cfg, dist, DataPosition(stream, assign), step, control, faults,
-                                      checkpointing, lead_log)
+                                      checkpointing, lead_log, best)
     disaggregated = dist.disaggregated
     return Run(cfg, dist, Path(cfg.output_dir), assign, plan, stream, total_steps, producer, step,
                Sender(dist, cfg.topology.queue_depth) if disaggregated and dist.is_target else None,
                Receiver(dist) if disaggregated and dist.is_drafter else None,
-               control, checkpoints, compilation, faults, timer, lead_log, log_any)
+               control, checkpoints, compilation, faults, timer, lead_log, log_any,
+               validation=validation, best=best)
 
 
 def _heads(cfg: Config, device, target, build_target, build_heads):
@@ -246,11 +275,14 @@ def _heads(cfg: Config, device, target, build_target, build_heads):
 
 
 def _checkpoint_manager(cfg: Config, dist: Dist, position: DataPosition, step: DrafterStep | None,
-                        control: Control, faults: Faults, enabled: bool, log) -> CheckpointManager:
+                        control: Control, faults: Faults, enabled: bool, log,
+                        best: BestCheckpoint | None = None) -> CheckpointManager:
     """The stateful parts of this rank, declared: a target rank holds none of the drafter's."""
     out = Path(cfg.output_dir)
     parts = {"drafter": None, "optimizer": None, "scheduler": None, "metrics": None, "control": control,
              "rng": RngState(dist.device)}
+    if best is not None:
+        parts["best"] = best
     if step is not None:
         parts.update(drafter=step.drafter, optimizer=step.optimizer, scheduler=step.scheduler,
                      metrics=GlobalSums(step.acc, dist))
@@ -296,7 +328,12 @@ def train_drafter(run: Run) -> Path | None:
                 stop = control.agree(n, result)
                 # Not on a signal: the interval's sums are saved and the resumed run logs them.
                 if n % cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
-                    sink.log(log_record(run, evaluate=bool(cfg.eval.every) and n % cfg.eval.every == 0))
+                    record = log_record(run, evaluate=bool(cfg.eval.every) and n % cfg.eval.every == 0)
+                    sink.log(record)
+                    # keep_best: evaluation steps are checkpoint steps (config check), so the
+                    # checkpoint saved below holds these weights and this best.
+                    if run.best is not None and run.best.offer(n, record.get("walked_tau")):
+                        sink.event(f"step {n}: best walked tau so far, {run.best.value:.3f}; its checkpoint is kept")
                 if stop is not None and stop.is_fault:
                     saved = checkpoints.save(n)
                     drain(run)
@@ -321,8 +358,11 @@ def train_drafter(run: Run) -> Path | None:
         return run.out / "checkpoints"
     if not run.dist.is_leader:
         return None
-    exported = export_drafter(run.step.drafter, run.out / "drafter", getattr(torch, cfg.checkpoint.export_dtype))
-    report_run(run.out, exported, run.log)
+    drafter, best = run.step.drafter, run.best.step if run.best is not None else None
+    if best is not None and best != run.steps_done:  # keep_best: the best walked tau's weights
+        drafter = drafter_from_checkpoint(checkpoint_root(run.out) / f"step-{best}")
+    exported = export_drafter(drafter, run.out / "drafter", getattr(torch, cfg.checkpoint.export_dtype))
+    report_run(run.out, exported, run.log)  # the summary says which step's weights were exported
     return exported
 
 
@@ -378,11 +418,37 @@ def log_record(run: Run, evaluate: bool) -> dict:
     if evaluate and d.is_leader:
         from dflash_train.evaluate import TrainingEvaluator
 
-        if run.evaluator is None:
-            run.evaluator = TrainingEvaluator(run.cfg.eval, run.cfg.target, d.device)
-        record.update(run.evaluator(step.drafter, step.autocast))
+        walked = {}
+        if run.validation is not None:
+            run.walker = run.walker or validation_walker(run)
+            walked = run.walker(step.drafter).record()
+        if run.cfg.eval.prompts is not None:
+            if run.evaluator is None:
+                run.evaluator = TrainingEvaluator(run.cfg.eval, run.cfg.target, d.device)
+            record.update(run.evaluator(step.drafter, step.autocast))
+        record = {"step": record.pop("step"), "epoch": record.pop("epoch"), **walked, **record}  # walked tau leads
         acc.reset()  # just flushed: only its clock moves
     return record
+
+
+def validation_walker(run: Run):
+    """The walk (walk.Walker) of the held-out samples on the leader, in the training step's
+    attention, autocast and target heads, with the run's own target where the rank holds one,
+    else (a drafter rank of a disaggregated run) a copy of it loaded here."""
+    from dflash_train.walk import Walker
+
+    cfg, step, device = run.cfg, run.step, run.dist.device
+    target = run.producer.target if run.producer is not None else None
+    if target is None:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            target = load_target(cfg.target.path, device, cfg.target.dtype, step.drafter.target_layer_ids, "data")[0]
+    # On a GPU packed rows keep the training shape (compiled code); on CPU the dense mask would
+    # pay for the padding.
+    return Walker(run.validation, target, step.heads, device=device, attention=step.attention,
+                  autocast=step.autocast, token_budget=cfg.data.token_budget, max_batch_size=cfg.data.max_batch_size,
+                  num_buckets=cfg.data.num_buckets, pad_id=run.stream.pad_id,
+                  pad_to=cfg.data.token_budget if device.type == "cuda" else 0, gamma=cfg.objective.gamma,
+                  chunk_rows=cfg.objective.lm_head_chunk_rows, anchor_multiple=cfg.train.anchor_multiple)
 
 
 def transport_waits(run: Run) -> dict:

@@ -254,11 +254,12 @@ def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokeni
     assert report["skipped"] == [{"file": str(src), "line": 3, "reason": report["skipped"][0]["reason"]}]
     assert report["skipped"][0]["reason"].startswith("unknown role: messages[0].role is 'bot'")
     ds = result.dataset
-    assert ds.column_names == ["input_ids", "loss_mask", "length"]
-    for row, messages in zip(ds, EXPECTED.values()):
+    assert ds.column_names == ["input_ids", "loss_mask", "length", "conversation", "source"]
+    for line, (row, messages) in enumerate(zip(ds, EXPECTED.values()), 1):
         [(ids, mask)] = data.tokenize_samples(smollm2_tokenizer, data.supervised_spans(smollm2_tokenizer, messages))
         assert row["input_ids"] == ids.tolist() and row["loss_mask"] == mask.tolist()
         assert row["length"] == len(ids)
+        assert row["conversation"] == data.conversation_key(messages) and row["source"] == f"{src}:{line}"
     assert report["num_tokens"] == sum(ds["length"])
     assert report["num_supervised_tokens"] == sum(sum(m) for m in ds["loss_mask"])
 

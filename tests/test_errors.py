@@ -7,7 +7,6 @@ folder, each row's command line and captured output are written there as ROW.txt
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -26,11 +25,6 @@ from conftest import TINY
 TARGET = "bundled:tiny-random-llama"
 CHAT = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
-
-
-def eval_has_walk() -> bool:
-    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return any("--walk" in action.option_strings for action in commands.choices["eval"]._actions)
 
 
 def closed_port() -> int:
@@ -106,9 +100,6 @@ def plain(*args: str):
     return lambda w, tmp: [a.format(w=w, tmp=tmp) for a in args]
 
 
-WALK = pytest.mark.skipif(not eval_has_walk(), reason="`eval --walk` is not in this parser yet (issue 17); the "
-                          "row runs once it is")
-
 # (id, argv, exit status, a fragment of the message, early: fails before any loading)
 ROWS = [
     # train
@@ -181,7 +172,7 @@ ROWS = [
     pytest.param("eval-walk-without-assistant-turns",
                  lambda w, tmp: ["eval", "--target", TARGET, "--drafter", str(w.drafters.good), "--walk",
                                  f"{w.root}/users-only.jsonl", "--output", str(tmp / "walk.json"), "--device", "cpu"],
-                 BAD_INPUT, "assistant", False, marks=WALK),
+                 BAD_INPUT, "assistant", False),
     ("eval-missing-required-option", plain("eval", "--target", TARGET), BAD_INPUT, "the following arguments are "
      "required", True),
     # bench and plot

@@ -1,0 +1,280 @@
+"""The walked tau and what uses it: the walk itself, its equality with served tau on the target's
+own greedy data (float32, cycle for cycle), the validation split, the in-training validation
+with checkpoint.keep_best, and `dflash-train eval --walk`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from dflash_train import specdec, walk
+from dflash_train.batching import conversation_keys, validation_split
+from dflash_train.cli import main
+from dflash_train.config import ConfigError, load_config
+from dflash_train.data import conversation_key
+from dflash_train.target import Target
+from dflash_train.train import build, split_data, take_step, train_drafter
+
+from conftest import TINY, tiny_target_config
+
+STOP, MASK, MAX_NEW = 5, 127, 40
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def test_walk_commits_the_run_plus_the_targets_token_and_ends_with_the_turn():
+    assert walk.response_spans(np.array([0, 1, 1, 1, 0, 0, 1, 1, 0, 1])) == [(1, 3), (6, 7), (9, 9)]
+    run = np.array([-1, 2, 0, 5, 1, 0, 3, -1, -1])
+    # Anchors 1 (run 2: 3 tokens), 4 (run 1: 2 tokens), 6 (run 3, but 2 tokens are left: cut).
+    assert walk.walk_turn(run, 1, 8) == [3, 2, 2]
+    assert walk.walk_turn(run, 2, 3) == [1]
+    assert walk.walk_turn(run, 8, 8) == []  # a one-token turn: the prefill alone, no cycle
+
+
+def _generate(model, prompt, proposer=None):
+    if proposer is None:
+        return specdec.target_generate(model, prompt, MAX_NEW, stop_ids=[STOP])
+    return specdec.speculative_generate(model, prompt, proposer, MAX_NEW, stop_ids=[STOP])
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    """A tiny random target (float32), its own greedy answers to 16 prompts (some ending on the
+    stop token, some on the budget, one with the stop token alone) and a second turn for 4 of
+    them, as training samples; and a drafter trained 25 steps on them by the trainer itself."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_target_config()).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(10, 120, (n,), generator=gen).tolist()  # noqa: E731
+    prompts, samples = [], []
+    for i in range(16):
+        prompt = rand(int(torch.randint(6, 20, (1,), generator=gen)))
+        out = _generate(model, prompt).output_ids
+        turns, ids, mask = [prompt], prompt + out, [0] * len(prompt) + [1] * len(out)
+        if i % 4 == 0:  # a second turn: the user speaks again after our answer
+            user = rand(5)
+            turns.append(ids + user)
+            out2 = _generate(model, turns[-1]).output_ids
+            ids, mask = ids + user + out2, mask + [0] * len(user) + [1] * len(out2)
+        prompts.append(turns)
+        samples.append((ids, mask))
+    dataset = Dataset.from_dict({"input_ids": [s for s, _ in samples], "loss_mask": [m for _, m in samples],
+                                 "length": [len(s) for s, _ in samples]})
+    cfg = load_config(TINY, [f"output_dir={tmp_path_factory.mktemp('run')}", "objective.noise=none",
+                             "train.device=cpu", f"drafter.mask_token_id={MASK}", "train.max_steps=25",
+                             "data.max_batch_size=4", "objective.num_anchors=64"])
+    run = build(cfg, log=lambda *a, **k: None, dataset=dataset, target_config=tiny_target_config(),
+                build_target=lambda ids, logits: Target(copy.deepcopy(model), ids, logits), checkpointing=False)
+    while run.steps_done < run.total_steps:
+        take_step(run)
+    return model, prompts, dataset, run
+
+
+def test_walked_tau_equals_served_tau_on_the_targets_own_greedy_data(regenerated, monkeypatch):
+    """Every turn's acceptance lengths from the walk (one teacher-forced forward per packed row
+    of 4 samples) equal those of speculative decoding of that turn's prompt with the same
+    drafter, cycle for cycle, so the taus are equal exactly; also with flex attention and the
+    GPU's padding, and when the anchors of a row are spread over many drafter forwards."""
+    model, prompts, dataset, run = regenerated
+    drafter = run.step.drafter
+    walker = walk.Walker(dataset, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="sdpa",
+                         max_batch_size=4)
+    walked = walker(drafter)
+    proposer = specdec.DFlashProposer.for_target(drafter, model)
+    served = [[_generate(model, p, proposer).acceptance_lengths for p in turns] for turns in prompts]
+    assert [walked.turns[i] for i in range(len(prompts))] == served
+    assert walked.tau == specdec.turn_mean_tau([t for s in served for t in s])
+    assert len(set(walked.lengths())) >= 4 and 1.5 < walked.tau < 7, walked.record()  # not a trivial drafter
+    # The GPU's settings, run here with eager flex attention: the BlockMask, packed rows padded
+    # to the token budget, anchor counts padded to a multiple.
+    four = dataset.select(range(4))
+    flex = walk.Walker(four, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="flex",
+                       max_batch_size=4, pad_to=1024, anchor_multiple=8)(drafter)
+    assert [flex.turns[i] for i in range(4)] == served[:4]
+    monkeypatch.setattr(walk, "DENSE_MASK_ENTRIES", 4000)  # a few blocks per forward
+    assert walk.blocks_per_forward(200, drafter.block_size, "sdpa", 1) < 8
+    again = walker(drafter)
+    assert again.turns == walked.turns and again.loss == pytest.approx(walked.loss, rel=1e-6)
+    record = walked.record()
+    assert list(record)[0] == "walked_tau" and len(record["val_acc_per_position"]) == drafter.block_size - 1
+    assert sum(record["walked_histogram"]) == len(walked.lengths()) and record["val_loss"] > 0
+
+
+# --------------------------------------------------------------------------- the split
+
+
+def test_validation_split_is_stable_disjoint_and_independent_of_order_and_settings():
+    keys = [f"c{i // 2}" for i in range(400)]  # 200 conversations of 2 samples each
+    train, held = validation_split(keys, 0.1, seed=3)
+    assert set(train).isdisjoint(held) and sorted([*train, *held]) == list(range(400))
+    held_keys = {keys[i] for i in held}
+    assert 5 < len(held_keys) < 40
+    assert all((i in set(held)) == (keys[i] in held_keys) for i in range(400))  # whole conversations
+    shuffled = random.Random(0).sample(keys, len(keys))
+    assert {shuffled[i] for i in validation_split(shuffled, 0.1, seed=3)[1]} == held_keys  # order: no effect
+    assert {keys[i] for i in validation_split(keys, 0.1, seed=4)[1]} != held_keys  # the seed: another split
+    counted = {keys[i] for i in validation_split(keys, 12, seed=3)[1]}
+    assert len(counted) == 12 and counted == {shuffled[i] for i in validation_split(shuffled, 12, seed=3)[1]}
+    assert counted <= held_keys or held_keys <= counted  # both take the smallest hashes
+    with pytest.raises(ValueError, match="nothing is left to train on"):
+        validation_split(keys, 200)
+    assert len(validation_split(keys, 0)[1]) == 0
+
+    # In a run: the same held-out samples whatever data.limit and train.seed, never trained on.
+    rows = Dataset.from_dict({"input_ids": [[i, i + 1, i + 2] for i in range(400)],
+                              "loss_mask": [[0, 1, 1]] * 400, "length": [3] * 400, "conversation": keys})
+    found = []
+    for extra in ([], ["data.limit=50"], ["train.seed=7"]):
+        cfg = load_config(TINY, ["data.validation=0.1", "data.validation_seed=3", *extra])
+        training, validation = split_data(cfg, rows, log=lambda *a: None)
+        found.append(validation["input_ids"])
+        assert not {tuple(r) for r in training["input_ids"]} & {tuple(r) for r in validation["input_ids"]}
+    assert found[0] == found[1] == found[2] == [rows[int(i)]["input_ids"] for i in held]
+
+
+def test_conversation_key_is_the_prompt_side_so_regenerated_chats_stay_on_their_side():
+    raw = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+           {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "A joke."},
+           {"role": "assistant", "content": "No."}]
+    regenerated = [dict(m, content="(the target's own answer)") if m["role"] == "assistant" else m for m in raw]
+    assert conversation_key(raw) == conversation_key(regenerated)
+    assert conversation_key(raw) != conversation_key(raw[:3])  # another user turn: another conversation
+    # Rows without the column (data prepared by an earlier version): the first prompt's tokens.
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2, 9, 9], [7, 2, 3, 4]],
+                              "loss_mask": [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]], "length": [4, 4, 4]})
+    a, b, c = conversation_keys(rows)
+    assert a == b != c
+
+
+def test_validation_settings_are_checked():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["data.validation=1.5", "checkpoint.keep_best=true", "eval.every=4",
+                           "eval.prompts=null"])
+    text = str(err.value)
+    assert "data.validation must be 0 (off), a count" in text
+    assert "checkpoint.keep_best needs the walked validation tau" not in text  # validation is set, if wrong
+    with pytest.raises(ConfigError, match="nothing to evaluate"):
+        load_config(TINY, ["eval.every=4", "eval.prompts=null"])
+    with pytest.raises(ConfigError, match="checkpoint.keep_best needs the walked validation tau"):
+        load_config(TINY, ["checkpoint.keep_best=true"])
+    with pytest.raises(ConfigError, match=r"make eval.every \(6\) a multiple of checkpoint.every \(4\)"):
+        load_config(TINY, ["checkpoint.keep_best=true", "data.validation=8", "eval.every=6", "checkpoint.every=4"])
+    cfg = load_config(TINY, ["checkpoint.keep_best=true", "data.validation=0.05", "eval.every=4", "eval.prompts=null",
+                             "checkpoint.every=4"])
+    assert cfg.data.validation == 0.05 and cfg.eval.prompts is None
+
+
+# --------------------------------------------------------------------------- during training
+
+
+def _validated_run(tmp_path, regenerated, *extra, steps=8):
+    model, _, dataset, _ = regenerated
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "objective.noise=none", "train.device=cpu",
+                             f"drafter.mask_token_id={MASK}", f"train.max_steps={steps}", "data.max_batch_size=4",
+                             "data.validation=0.25", "eval.every=2", "eval.prompts=null", "log.every=2",
+                             "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_best=true",
+                             "checkpoint.export_dtype=float32", *extra])
+    return build(cfg, log=lambda *a, **k: None, dataset=dataset, target_config=tiny_target_config(),
+                 build_target=lambda ids, logits: Target(copy.deepcopy(model), ids, logits))
+
+
+def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, regenerated, capsys):
+    run = _validated_run(tmp_path, regenerated)
+    assert 0 < len(run.validation) < 16 and len(run.validation) + len(run.stream.dataset) == 16
+    exported = train_drafter(run)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    for r in records:
+        assert list(r)[:3] == ["step", "epoch", "walked_tau"] and r["walked_tau"] >= 1
+        assert {"walked_tau_cycles", "walked_histogram", "walked_turns", "val_loss", "val_acc_per_position",
+                "walk_s", "tau_estimate"} <= set(r) and "eval_tau" not in r
+    out = capsys.readouterr().out
+    assert "| walked tau " in out and out.index("walked tau") < out.index("tau~")
+    taus = [r["walked_tau"] for r in records]
+    best = records[taus.index(max(taus))]["step"]
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == sorted({f"step-{best}", "step-8"})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["drafter_step"], summary["drafter_choice"]) == (best, "best walked tau")
+    saved = load_file(str(tmp_path / "checkpoints" / f"step-{best}" / "drafter.safetensors"))
+    served = load_file(str(exported / "model.safetensors"))
+    assert all(torch.equal(served[k], saved[k]) for k in served)
+
+
+def test_keep_best_picks_the_best_step_and_a_resumed_run_remembers_it(tmp_path, regenerated, monkeypatch, capsys):
+    """Scripted walked taus 1.5, 2.5, 2.0, 2.5 at steps 2, 4, 6, 8: step 4 is the best (a tie
+    keeps the earlier step), its checkpoint outlives keep=1, and its weights are exported; a
+    run resumed to step 10 (tau 2.4 there) still exports step 4."""
+    from dflash_train import train as train_module
+
+    scripted = iter([1.5, 2.5, 2.0, 2.5, 2.4])
+
+    class Scripted:
+        def __call__(self, drafter):
+            return self
+
+        def record(self):
+            return {"walked_tau": next(scripted)}
+
+    monkeypatch.setattr(train_module, "validation_walker", lambda run: Scripted())
+    train_drafter(_validated_run(tmp_path, regenerated))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4", "step-8"]
+    assert "step 4: best walked tau so far, 2.500; its checkpoint is kept" in capsys.readouterr().out
+    exported = train_drafter(_validated_run(tmp_path, regenerated, steps=10))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10", "step-4"]
+    state = json.loads((tmp_path / "checkpoints" / "step-10" / "trainer_state.json").read_text())
+    assert state["best"] == {"step": 4, "value": 2.5}
+    saved = load_file(str(tmp_path / "checkpoints" / "step-4" / "drafter.safetensors"))
+    served = load_file(str(exported / "model.safetensors"))
+    assert all(torch.equal(served[k], saved[k]) for k in served)
+    assert json.loads((tmp_path / "summary.json").read_text())["drafter_step"] == 4
+
+
+# --------------------------------------------------------------------------- eval --walk
+
+
+def test_eval_walk_writes_the_eval_layout_and_refuses_data_without_assistant_turns(tmp_path, capsys):
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+    from dflash_train.export import export_drafter
+    from dflash_train.target import load_target_model
+
+    model, tokenizer = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=4, num_taps=2,
+                                                 mask_token_id=resolve_mask_token_id(tokenizer, model.config.vocab_size)))
+    folder = export_drafter(drafter, tmp_path / "drafter", torch.float32)
+    chats = tmp_path / "traffic.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"conversations": [{"from": "human", "value": "Name three colours."},
+                           {"from": "gpt", "value": "Red, green and blue."},
+                           {"from": "human", "value": "And two more?"}, {"from": "gpt", "value": "Yellow, white."}]},
+        {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]},
+    ]))
+    common = ["eval", "--target", "bundled:tiny-random-llama", "--drafter", str(folder), "--device", "cpu"]
+    assert main([*common, "--walk", str(chats), "--output", str(tmp_path / "walk.json")]) == 0
+    doc = json.loads((tmp_path / "walk.json").read_text())
+    assert {"tau", "per_set", "histogram", "block_size", "settings", "prompts"} <= set(doc)
+    walked = doc["per_set"]["traffic"]
+    assert walked["num_prompts"] == 2 and walked["num_turns"] == 3 and walked["tau"] == doc["tau"] >= 1
+    assert sum(doc["histogram"]) == walked["num_cycles"] and {"loss", "acc_per_position"} <= set(walked)
+    assert [p["id"] for p in doc["prompts"]] == [f"{chats}:1", f"{chats}:2"]
+    assert [len(p["acceptance_lengths"]) for p in doc["prompts"]] == [2, 1]
+    assert (tmp_path / "walk.md").is_file() and (tmp_path / "walk.png").is_file()
+    capsys.readouterr()
+
+    silent = tmp_path / "questions.jsonl"
+    silent.write_text(json.dumps({"conversations": [{"from": "human", "value": "Anyone there?"}]}) + "\n")
+    assert main([*common, "--walk", str(silent), "--output", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no assistant turns to walk" in err and "no assistant turn: 1" in err and "Traceback" not in err
+    assert main([*common, "--output", str(tmp_path / "neither.json")]) == 2
+    assert "give --prompts" in capsys.readouterr().err
