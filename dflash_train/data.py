@@ -460,6 +460,27 @@ def is_prepared_folder(path: Path) -> bool:
         return False
 
 
+def records_at(sources: Iterable[str]) -> list[Record]:
+    """The records named by prepared samples' `source` values ("file:line"), read back from
+    their files in the order given, each once; a source whose file or line no longer holds a
+    valid record is left out."""
+    wanted: dict[str, set[int]] = {}
+    order: list[tuple[str, int]] = []
+    for source in dict.fromkeys(sources):
+        file, _, line = str(source).rpartition(":")
+        if file and line.isdigit():
+            wanted.setdefault(file, set()).add(int(line))
+            order.append((file, int(line)))
+    found: dict[tuple[str, int], Record] = {}
+    for file, lines in wanted.items():
+        if not Path(file).is_file():
+            continue
+        for item in iter_records([file]):
+            if isinstance(item, Record) and item.line in lines:
+                found[(file, item.line)] = item
+    return [found[key] for key in order if key in found]
+
+
 def conversation_key(messages: list[dict[str, str]]) -> str:
     """What identifies a conversation for the validation split: a hash of its prompt side (the
     system and user turns, in order), so that the raw and the regenerated versions of a chat,

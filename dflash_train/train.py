@@ -13,6 +13,8 @@ and checkpoint when it falls due.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +117,30 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
     if limit and cfg.data.limit is not None and cfg.data.limit < len(dataset):
         dataset = dataset.select(range(cfg.data.limit))
     return dataset, validation
+
+
+VALIDATION_FILE = "validation.jsonl"
+
+
+def write_validation_prompts(path: Path, validation, log=print) -> None:
+    """The held-out conversations as one JSONL file that both evaluations read: {"id": its
+    file:line, "turns": its user turns (`eval --prompts FILE` serves them), "messages": the whole
+    conversation (`eval --walk FILE` walks it)}, so that served and walked tau can be had on the
+    very prompts the run validates on. Samples built in code (no source) are not written."""
+    from dflash_train import data
+
+    if "source" not in validation.column_names:
+        return
+    records = data.records_at(validation["source"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            turns = [m["content"] for m in record.messages if m["role"] == "user"]
+            f.write(json.dumps({"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages},
+                               ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    log(f"data: the {len(records)} held-out conversations -> {path} (eval --prompts / --walk read it)")
 
 
 def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
@@ -225,6 +251,8 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     loaded = dataset is None
     dataset = load_data(cfg, target_dir, lead_log) if loaded else dataset
     dataset, validation = split_data(cfg, dataset, lead_log, limit=loaded)
+    if validation is not None and dist.is_leader:
+        write_validation_prompts(Path(cfg.output_dir) / VALIDATION_FILE, validation, lead_log)
     plan = batch_plan(cfg, dataset["length"])
     pad_id = getattr(tokenizer, "pad_token_id", None)
     stream = BatchStream(dataset, plan, pad_id=0 if pad_id is None else pad_id)

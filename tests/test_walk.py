@@ -141,6 +141,41 @@ def test_validation_split_is_stable_disjoint_and_independent_of_order_and_settin
     assert found[0] == found[1] == found[2] == [rows[int(i)]["input_ids"] for i in held]
 
 
+def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path):
+    """A run with data.validation writes validation.jsonl: exactly the held-out conversations
+    (read back from their file:line), with their user turns for `eval --prompts` and their
+    messages for `eval --walk`; a sample without a source is left out."""
+    from dflash_train import data
+    from dflash_train.evaluate import load_prompts
+    from dflash_train.target import resolve_target_path
+    from dflash_train.train import VALIDATION_FILE, write_validation_prompts
+
+    chats = tmp_path / "chats.jsonl"
+    convs = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+             + ([{"role": "user", "content": f"And {i} more?"}, {"role": "assistant", "content": "Yes."}] if i % 3 else [])
+             for i in range(24)]
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
+    prepared = data.prepare([chats], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
+                            log=lambda *a: None)
+    cfg = load_config(TINY, ["data.validation=5"])
+    training, validation = split_data(cfg, prepared.dataset, log=lambda *a: None)
+    out = tmp_path / "run" / VALIDATION_FILE
+    write_validation_prompts(out, validation, log=lambda *a: None)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 5 and [w["id"] for w in written] == list(validation["source"])
+    held = {conversation_key(w["messages"]) for w in written}
+    assert held == set(validation["conversation"]) and not held & set(training["conversation"])
+    for w in written:
+        line = int(w["id"].rpartition(":")[2])
+        assert w["messages"] == convs[line - 1]
+        assert w["turns"] == [m["content"] for m in convs[line - 1] if m["role"] == "user"]
+    assert [r.turns for r in load_prompts(str(out))] == [w["turns"] for w in written]
+    assert [r.messages for r in data.iter_records([out])] == [w["messages"] for w in written]
+    sourceless = Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]], "length": [2]})
+    write_validation_prompts(tmp_path / "none.jsonl", sourceless, log=lambda *a: None)
+    assert not (tmp_path / "none.jsonl").exists()
+
+
 def test_conversation_key_is_the_prompt_side_so_regenerated_chats_stay_on_their_side():
     raw = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "A joke."},
