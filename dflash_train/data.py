@@ -686,8 +686,11 @@ def load_prepared(path: str | os.PathLike):
 
 
 def run_prepare(args) -> int:
-    """`dflash-train data prepare`: an empty result is an error (the report says why)."""
-    prepared = prepare(args.data, args.target, args.out, max_length=args.max_length,
+    """`dflash-train data prepare`: an empty result is an error (the report says why). `--target`
+    is a folder or a bundled name, as everywhere."""
+    from dflash_train.target import resolve_target_path
+
+    prepared = prepare(args.data, resolve_target_path(args.target, "--target"), args.out, max_length=args.max_length,
                        overlong=args.overlong, strict=args.strict)
     if prepared.report["num_samples"] == 0:
         raise DataError(no_samples(prepared))

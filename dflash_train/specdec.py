@@ -137,6 +137,8 @@ class DFlashProposer:
     def reset(self, rows: int = 1, capacity: int = 0) -> None:
         self.cache = self._new_cache()
         if self.row_cache is None or self.row_cache.rows < rows or self.row_cache.capacity < capacity:
+            if self.row_cache is not None:  # grown, never shrunk: a caller's row buckets stay valid
+                rows, capacity = max(rows, self.row_cache.rows), max(capacity, self.row_cache.capacity)
             self.row_cache = StaticCache(rows, max(capacity, 2 * self.block_size + 2))
             self.rows, self.widths = row_buckets(rows), width_buckets(self.row_cache.capacity)
             self.graphs.clear()
@@ -462,7 +464,8 @@ class Decoder:
         seq_RS.scatter_(1, anchor_R[:, None], token_R[:, None])
         for r, t in enumerate(token_R.tolist()):  # host sync: the first tokens' stop checks
             outs[r].append(t)
-        proposer.reset(R, self.target.capacity)
+        # As many rows as the target's cache: the fused cycle pads R up to its row buckets.
+        proposer.reset(self.target.cache.rows, self.target.capacity)
         if isinstance(proposer, DFlashProposer) and context_RTF is not None:
             return self._speculate_fused(outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
                                          max_new_tokens, started, captured)

@@ -338,6 +338,11 @@ def test_cli_data_prepare(tmp_path, smollm2_path, capsys):
     assert cli.main(argv) == 0 and "cached" in capsys.readouterr().out
     assert cli.main(argv + ["--strict"]) == 2  # bad input (errors.py)
     assert f"{src}:2: unknown role" in capsys.readouterr().err
+    # --target takes a bundled name as the other commands do (the same tokenizer: same samples)
+    bundled = ["data", "prepare", "--data", str(src), "--target", "bundled:smollm2-135m-instruct",
+               "--out", str(tmp_path / "bundled"), "--max-length", "128"]
+    assert cli.main(bundled) == 0
+    assert data.load_prepared(tmp_path / "bundled")["input_ids"] == data.load_prepared(out)["input_ids"]
 
 
 def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypatch):

@@ -154,6 +154,22 @@ def test_decoder_grows_its_caches_and_keeps_results(tiny_target):
     assert engine.speculate(prompts([5]), 4)[0].output_ids == short.output_ids
 
 
+def test_a_smaller_batch_with_longer_prompts_after_a_larger_one(tiny_target):
+    """The evaluation's last batch of a set: fewer rows than the one before, longer prompts (the
+    caches grow). The fused cycle pads rows to the target cache's row buckets, so the drafter's
+    cache must hold as many rows as the target's whatever the batch (an H200 evaluation died on
+    a 36-row batch after 64-row ones); every row still equals greedy decoding alone."""
+    engine = Decoder(tiny_target, DFlashProposer.for_target(tiny_drafter(block_size=4), tiny_target), capacity=16)
+    first = prompts([5, 6, 7, 5], seed=1)
+    assert [g.output_ids for g in engine.speculate(first, 6)] == [hf_greedy(tiny_target, p, 6) for p in first]
+    rows_before = engine.target.cache.rows
+    later = prompts([30, 33, 35], seed=2)  # 3 rows pad to the 4-row bucket; more positions than before
+    got = engine.speculate(later, 12)
+    assert engine.target.cache.rows == rows_before and engine.target.capacity >= 35 + 12
+    assert engine.proposer.row_cache.rows >= engine.target.cache.rows
+    assert [g.output_ids for g in got] == [hf_greedy(tiny_target, p, 12) for p in later]
+
+
 # --------------------------------------------------------------------------- CUDA graphs (GPU only)
 
 
