@@ -140,7 +140,7 @@ def write_validation_prompts(path: Path, validation, log=print) -> None:
             f.write(json.dumps({"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages},
                                ensure_ascii=False) + "\n")
     os.replace(tmp, path)
-    log(f"data: the {len(records)} held-out conversations -> {path} (eval --prompts / --walk read it)")
+    log(f"data: the {len(records)} held-out records -> {path} (eval --prompts / --walk read it)")
 
 
 def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:

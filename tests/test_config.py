@@ -112,3 +112,20 @@ def test_distillation_refuses_targets_whose_logits_are_not_the_lm_head_product()
     assert distill_problem(AutoConfig.for_model("llama")) is None
     assert distill_problem(AutoConfig.for_model("gemma2")) is not None  # final_logit_softcapping=30
     assert "logits_scaling=4.0" in distill_problem(AutoConfig.for_model("granite", logits_scaling=4.0))
+
+
+def test_the_embedded_default_says_what_it_is_in_its_first_line(monkeypatch, capsys):
+    """`dflash-train train` with no arguments first says it is a smoke-sized run (from the config
+    it runs, so the line cannot drift from it); a --config or an override says nothing."""
+    from dflash_train import cli, train as train_module
+
+    ran = []
+    monkeypatch.setattr(train_module, "train", lambda cfg: ran.append(cfg))
+    assert cli.main(["train"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    cfg = load_config(None)
+    assert ran == [cfg] and "smoke-sized" in first and "does not make a drafter that accelerates" in first
+    assert f"{cfg.drafter.num_layers}-layer drafter" in first and f"{cfg.train.max_steps} steps" in first
+    assert cli.main(["train", "train.max_steps=5"]) == 0
+    assert cli.main(["train", "--config", str(CONFIGS / "default.yaml")]) == 0
+    assert "smoke-sized" not in capsys.readouterr().out and len(ran) == 3

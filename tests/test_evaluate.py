@@ -270,9 +270,10 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     train and evaluate with the tiny random target; every stage's output and the timings exist.
     Keeps the script's defaults and knobs working with the CLI they call."""
     header = (ROOT / "scripts" / "quality_run.sh").read_text()
-    settings = {"TARGET": TINY, "NUM_RECORDS": "4", "MAX_NEW_TOKENS": "8",
-                "TRAIN_STEPS": "4", "TRAIN_ARGS": "", "REGEN_ARGS": "--temperature 5", "EVAL_LIMIT": "2",
-                "EVAL_MAX_NEW_TOKENS": "16", "EVAL_BATCH_SIZE": "2", "DEVICE": "cpu", "WORKERS": "2"}
+    settings = {"TARGET": TINY, "NUM_RECORDS": "6", "MAX_NEW_TOKENS": "8",
+                "TRAIN_STEPS": "4", "TRAIN_ARGS": "", "REGEN_ARGS": "--temperature 5", "VALIDATION": "2",
+                "EVAL_EVERY": "2", "EVAL_LIMIT": "2", "EVAL_MAX_NEW_TOKENS": "16", "EVAL_BATCH_SIZE": "2",
+                "DEVICE": "cpu", "WORKERS": "2"}
     for key, value in settings.items():  # the header documents this very command
         assert (f"{key}={value} " if " " not in value else f'{key}="{value}"') in header, key
     out = tmp_path / "qr"
@@ -280,11 +281,22 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
                           text=True, timeout=600,
                           env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sum(1 for _ in open(out / "regenerated.jsonl")) == 4
+    assert sum(1 for _ in open(out / "regenerated.jsonl")) == 6
     assert (out / "train" / "drafter" / "config.json").is_file()
+    records = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "walked_tau" in r] == [2, 4]  # the validation walked every 2 steps
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    assert summary["drafter_choice"] == "best walked tau"
+    held = (out / "train" / "validation.jsonl").read_text().splitlines()
+    assert len(held) >= 2  # 2 conversations (a conversation may have several records)
+    check = json.loads((out / "validation-tau.json").read_text())
+    walked, served = (json.loads((out / f"validation-{k}.json").read_text()) for k in ("walked", "served"))
+    assert check["walked_tau"] == walked["tau"] >= 1 and check["served_tau"] == served["tau"] >= 1
+    assert walked["per_set"]["validation"]["num_prompts"] == served["per_set"]["validation"]["num_prompts"] == len(held)
     result = json.loads((out / "eval.json").read_text())
     assert set(result["per_set"]) == {"mt-bench", "humaneval", "gsm8k"} and result["tau"] >= 1.0
     assert all(v["mismatched_turns"] == 0 for v in result["per_set"].values())  # float32 on CPU: lossless
     timings = json.loads((out / "timings.json").read_text())
     assert timings["train_steps"] == 4 and timings["train_gpus"] == 1 and timings["train_s"] > 0
+    assert timings["walk_validation_s"] > 0 and timings["serve_validation_s"] > 0
     assert (out / "eval.md").is_file() and (out / "eval.png").is_file()
