@@ -114,6 +114,7 @@ class LocalResponder:
         stop = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.slots = SlotDecoder.for_model(model, rows, max_prompt_length + max_new_tokens + 2,
                                            temperature=temperature, top_p=top_p, graphs=graphs, stop_ids=stop)
+        self.text_seconds = 0.0  # ids -> text of the finished turns (host work between steps)
 
     @property
     def generated_tokens(self) -> int:
@@ -130,8 +131,10 @@ class LocalResponder:
         while self.slots.busy:
             done = self.slots.step()
             if done:
+                began = time.perf_counter()
                 texts = self.tokenizer.batch_decode([f.output_ids[:-1] if f.stopped else f.output_ids for f in done],
                                                     skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                self.text_seconds += time.perf_counter() - began
                 return [(f.key, text, f.stopped) for f, text in zip(done, texts)]
         return []
 
@@ -201,6 +204,9 @@ class Conversation:
 
 
 CHUNK_STATS = ("num_turns", "num_unfinished", "num_empty", "num_cut", "num_template_errors")
+# Host seconds of the scheduler's own work, outside the engine's steps: rendering and tokenizing
+# each next prompt (prompt_s), and turning each finished turn's ids into text (text_s).
+HOST_STATS = ("prompt_s", "text_s")
 
 
 def regenerate_stream(responder: Responder, tokenizer, records: list[Record], first_position: int,
@@ -220,6 +226,13 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     next_out = first_position
 
     def advance(conv: Conversation) -> None:
+        began = time.perf_counter()
+        try:
+            _advance(conv)
+        finally:
+            stats["prompt_s"] = stats.get("prompt_s", 0.0) + time.perf_counter() - began
+
+    def _advance(conv: Conversation) -> None:
         """Submit the conversation's next turn, or finish it."""
         prompt = conv.next_prompt()
         if prompt is not None:
@@ -247,7 +260,10 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
         while next_out in finished:
             yield finished.pop(next_out)
             next_out += 1
-        for position, text, stopped in (responder.poll() if active else []):
+        text_before = getattr(responder, "text_seconds", 0.0)
+        answered = responder.poll() if active else []
+        stats["text_s"] = stats.get("text_s", 0.0) + getattr(responder, "text_seconds", 0.0) - text_before
+        for position, text, stopped in answered:
             stats["num_turns"] += 1
             stats["num_unfinished"] += not stopped
             stats["num_empty"] += not text.strip()
@@ -289,7 +305,7 @@ def _worker_span(state, item) -> tuple[str, dict[str, int]]:
     """One chunk of records (position, records) regenerated in a worker: its lines and counts."""
     responder, tokenizer, settings = state
     position, records = item
-    stats = dict.fromkeys(CHUNK_STATS, 0)
+    stats = {**dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0)}
     before = responder.generated_tokens
     text = "".join(regenerate_stream(responder, tokenizer, records, position, settings, stats))
     stats["num_new_tokens"] = responder.generated_tokens - before
@@ -328,8 +344,12 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
     elapsed = time.perf_counter() - started
     rate = (finished - resumed) / elapsed if elapsed > 0 else 0.0
     eta = f"{(total - finished) / rate:.0f} s" if rate > 0 else "unknown"
+    host = ""
+    if elapsed > 0 and (stats.get("prompt_s") or stats.get("text_s")):
+        host = (f", host: prompts {100 * stats.get('prompt_s', 0.0) / elapsed:.0f}%, "
+                f"text {100 * stats.get('text_s', 0.0) / elapsed:.0f}% of the time")
     log(f"data regenerate: {finished}/{total} records ({stats['num_written']} written), {stats['num_turns']} turns, "
-        f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}")
+        f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}{host}")
 
 
 def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
@@ -381,7 +401,8 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     done = resume_point(out, records)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
-               "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), "num_new_tokens": 0}
+               "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0),
+               "num_new_tokens": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
     stop = len(records) if limit is None else min(len(records), done + limit)

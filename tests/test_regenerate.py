@@ -237,3 +237,6 @@ def test_progress_is_reported_while_an_early_conversation_still_runs(tmp_path, t
     progress = [line for line in lines if line.startswith("data regenerate: ") and "tokens/s" in line]
     assert any("(0 written)" in line and not line.startswith("data regenerate: 0/") for line in progress), progress
     assert progress[-1].startswith("data regenerate: 7/7 records (7 written)") and summary["num_turns"] == 18
+    # The scheduler's host work outside the engine's steps, timed and shown as a share of the time.
+    assert 0 < summary["prompt_s"] < summary["seconds"] and 0 < summary["text_s"] < summary["seconds"]
+    assert "host: prompts " in progress[-1] and "% of the time" in progress[-1]
