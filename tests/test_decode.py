@@ -168,6 +168,12 @@ def test_a_smaller_batch_with_longer_prompts_after_a_larger_one(tiny_target):
     assert engine.target.cache.rows == rows_before and engine.target.capacity >= 35 + 12
     assert engine.proposer.row_cache.rows >= engine.target.cache.rows
     assert [g.output_ids for g in got] == [hf_greedy(tiny_target, p, 12) for p in later]
+    # Then batches of every size up and down, prompts short and long, on the same engine.
+    gen = torch.Generator().manual_seed(3)
+    for call, rows in enumerate([1, 4, 2, 3, 1, 4]):
+        ps = prompts(torch.randint(3, 60, (rows,), generator=gen).tolist(), seed=10 + call)
+        new = int(torch.randint(4, 24, (1,), generator=gen))
+        assert [g.output_ids for g in engine.speculate(ps, new)] == [hf_greedy(tiny_target, p, new) for p in ps], call
 
 
 # --------------------------------------------------------------------------- CUDA graphs (GPU only)
