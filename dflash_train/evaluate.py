@@ -46,6 +46,9 @@ class PromptRecord:
     id: str
     turns: list[str]
     """User turns, already wrapped in the set's instruction."""
+    system: str | None = None
+    """A system message before the first turn (a prompts file's "system"); None: the template's
+    default."""
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -76,7 +79,8 @@ def humaneval_turn(prompt: str) -> str:
 
 def load_prompts(name_or_file: str, limit: int | None = None) -> list[PromptRecord]:
     """The records of a prompt set (`mt-bench`, `humaneval`, `gsm8k`) or of a JSONL file of
-    {"turns": [str, ...]} records (optional "id"); the first `limit` of them."""
+    {"turns": [str, ...]} records (optional "id", and "system": a system message); the first
+    `limit` of them."""
     from dflash_train import assets
 
     if name_or_file == "mt-bench":
@@ -97,7 +101,10 @@ def load_prompts(name_or_file: str, limit: int | None = None) -> list[PromptReco
             turns = r.get("turns") if isinstance(r, dict) else None
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 raise InputError(f"{path}: record {i + 1} needs \"turns\": a non-empty list of strings")
-            records.append(PromptRecord(str(r.get("id", i)), turns))
+            system = r.get("system")
+            if system is not None and not isinstance(system, str):
+                raise InputError(f"{path}: record {i + 1}: \"system\" must be a string (or left out)")
+            records.append(PromptRecord(str(r.get("id", i)), turns, system))
     if limit is not None:
         records = records[:limit]
     if not records:
@@ -237,7 +244,8 @@ def decode_records(engine: specdec.Decoder, tokenizer, records: list[tuple[int, 
     `engine.generate` call), so a record's second turn still sees its own first answer. Same
     entries and mismatches as decode_record on each record; a turn's seconds are its batch's
     (comparable with batch-1 timings only at one record)."""
-    messages: list[list[dict[str, str]]] = [[] for _ in records]
+    messages: list[list[dict[str, str]]] = [[{"role": "system", "content": r.system}] if r.system is not None else []
+                                            for _, r in records]
     entries = [{"id": r.id, "set": name, "acceptance_lengths": [], "output_ids": []} for _, r in records]
     stats: list[list[TurnStats]] = [[] for _ in records]
     for turn in range(max(len(r.turns) for _, r in records)):
@@ -430,7 +438,7 @@ def time_first_turns(engine: specdec.Decoder, tokenizer, stop_ids, sets: list[tu
             if needed <= 0:
                 break
             # A turn depends only on the turns before it, so later ones can be left out.
-            part = PromptRecord(record.id, record.turns[:needed])
+            part = PromptRecord(record.id, record.turns[:needed], record.system)
             _, turns = decode_record(engine, tokenizer, part, index, name=name, stop_ids=stop_ids,
                                      **{**_decode_options(options), "baseline": True})
             result.add_timings(turns, num_turns)

@@ -124,9 +124,10 @@ VALIDATION_FILE = "validation.jsonl"
 
 def write_validation_prompts(path: Path, validation, log=print) -> None:
     """The held-out conversations as one JSONL file that both evaluations read: {"id": its
-    file:line, "turns": its user turns (`eval --prompts FILE` serves them), "messages": the whole
-    conversation (`eval --walk FILE` walks it)}, so that served and walked tau can be had on the
-    very prompts the run validates on. Samples built in code (no source) are not written."""
+    file:line, "turns": its user turns and "system": its system message if it opens with one
+    (`eval --prompts FILE` serves them), "messages": the whole conversation (`eval --walk FILE`
+    walks it)}, so that served and walked tau can be had on the very prompts the run validates
+    on. Samples built in code (no source) are not written."""
     from dflash_train import data
 
     if "source" not in validation.column_names:
@@ -137,8 +138,11 @@ def write_validation_prompts(path: Path, validation, log=print) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         for record in records:
             turns = [m["content"] for m in record.messages if m["role"] == "user"]
-            f.write(json.dumps({"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages},
-                               ensure_ascii=False) + "\n")
+            entry = {"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages}
+            first = record.messages[0]
+            if first["role"] == "system":  # served as the walk renders it, not with the template's default
+                entry["system"] = first["content"]
+            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     log(f"data: the {len(records)} held-out records -> {path} (eval --prompts / --walk read it)")
 

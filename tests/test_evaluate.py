@@ -83,6 +83,35 @@ def test_prompt_files_and_their_errors(tmp_path):
         evaluate.load_prompts("no-such-set")
 
 
+def test_a_records_system_message_opens_every_turns_prompt(tmp_path, smollm2_tokenizer):
+    """A prompts file's "system" (what a run's validation.jsonl carries for a conversation that
+    opens with one) comes before the first turn in every turn's prompt; without it the template
+    adds its default. A bad "system" is refused with the record's number."""
+    from dflash_train.specdec import Generation
+
+    f = write_prompts(tmp_path / "s.jsonl", [{"turns": ["Hi", "More"], "system": "Be terse."}, {"turns": ["Hi"]}])
+    records = evaluate.load_prompts(str(f))
+    assert [r.system for r in records] == ["Be terse.", None]
+    seen = []
+
+    class Engine:  # records the prompts it is asked to decode, answers "ok"
+        def speculate(self, prompts, new, stop_ids, seed):
+            seen.extend(prompts)
+            ok = smollm2_tokenizer("ok", add_special_tokens=False)["input_ids"]
+            return [Generation(ok, [1] * len(ok), False, 0.0) for _ in prompts]
+
+    evaluate.decode_records(Engine(), smollm2_tokenizer, list(enumerate(records)), name="s", max_new_tokens=4,
+                            seed=0, stop_ids=[], baseline=False)
+    expected = [[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+                [{"role": "user", "content": "Hi"}],
+                [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "More"}]]
+    assert seen == [evaluate.prompt_ids(smollm2_tokenizer, m) for m in expected]
+    assert "Be terse." in smollm2_tokenizer.decode(seen[2]) and "Be terse." not in smollm2_tokenizer.decode(seen[1])
+    with pytest.raises(ValueError, match="record 1: \"system\" must be a string"):
+        evaluate.load_prompts(str(write_prompts(tmp_path / "b.jsonl", [{"turns": ["a"], "system": 3}])))
+
+
 def test_prompt_ids_are_the_chat_template_with_generation_prompt(smollm2_tokenizer):
     messages = [{"role": "user", "content": "Hi there"}]
     ids = evaluate.prompt_ids(smollm2_tokenizer, messages)

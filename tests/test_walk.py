@@ -151,7 +151,8 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path):
     from dflash_train.train import VALIDATION_FILE, write_validation_prompts
 
     chats = tmp_path / "chats.jsonl"
-    convs = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+    convs = [([{"role": "system", "content": f"Be brief, {i}."}] if i % 2 else [])
+             + [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
              + ([{"role": "user", "content": f"And {i} more?"}, {"role": "assistant", "content": "Yes."}] if i % 3 else [])
              for i in range(24)]
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
@@ -169,7 +170,9 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path):
         line = int(w["id"].rpartition(":")[2])
         assert w["messages"] == convs[line - 1]
         assert w["turns"] == [m["content"] for m in convs[line - 1] if m["role"] == "user"]
-    assert [r.turns for r in load_prompts(str(out))] == [w["turns"] for w in written]
+        assert w.get("system") == (convs[line - 1][0]["content"] if line % 2 == 0 else None)  # line = i + 1
+    assert {"system" in w for w in written} == {True, False}  # both kinds held out
+    assert [(r.turns, r.system) for r in load_prompts(str(out))] == [(w["turns"], w.get("system")) for w in written]
     assert [r.messages for r in data.iter_records([out])] == [w["messages"] for w in written]
     sourceless = Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]], "length": [2]})
     write_validation_prompts(tmp_path / "none.jsonl", sourceless, log=lambda *a: None)
