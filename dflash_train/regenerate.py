@@ -225,17 +225,14 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     finished: dict[int, str] = {}
     next_out = first_position
 
-    def advance(conv: Conversation) -> None:
-        began = time.perf_counter()
-        try:
-            _advance(conv)
-        finally:
-            stats["prompt_s"] = stats.get("prompt_s", 0.0) + time.perf_counter() - began
+    for key in HOST_STATS:
+        stats.setdefault(key, 0.0)
 
-    def _advance(conv: Conversation) -> None:
+    def advance(conv: Conversation) -> None:
         """Submit the conversation's next turn, or finish it."""
         prompt = conv.next_prompt()
         if prompt is not None:
+            began = time.perf_counter()
             try:
                 text = render(tokenizer, prompt, generation_prompt=True)
             except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
@@ -243,6 +240,8 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
                 prompt = None
             else:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            stats["prompt_s"] += time.perf_counter() - began
+            if prompt is not None:
                 if len(ids) > settings["max_prompt_length"]:
                     stats["num_cut"] += 1  # the rest of this conversation is dropped
                     prompt = None
@@ -262,7 +261,7 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
             next_out += 1
         text_before = getattr(responder, "text_seconds", 0.0)
         answered = responder.poll() if active else []
-        stats["text_s"] = stats.get("text_s", 0.0) + getattr(responder, "text_seconds", 0.0) - text_before
+        stats["text_s"] += getattr(responder, "text_seconds", 0.0) - text_before
         for position, text, stopped in answered:
             stats["num_turns"] += 1
             stats["num_unfinished"] += not stopped
@@ -345,9 +344,9 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
     rate = (finished - resumed) / elapsed if elapsed > 0 else 0.0
     eta = f"{(total - finished) / rate:.0f} s" if rate > 0 else "unknown"
     host = ""
-    if elapsed > 0 and (stats.get("prompt_s") or stats.get("text_s")):
-        host = (f", host: prompts {100 * stats.get('prompt_s', 0.0) / elapsed:.0f}%, "
-                f"text {100 * stats.get('text_s', 0.0) / elapsed:.0f}% of the time")
+    if elapsed > 0 and (stats["prompt_s"] or stats["text_s"]):
+        host = (f", host: prompts {100 * stats['prompt_s'] / elapsed:.0f}%, "
+                f"text {100 * stats['text_s'] / elapsed:.0f}% of the time")
     log(f"data regenerate: {finished}/{total} records ({stats['num_written']} written), {stats['num_turns']} turns, "
         f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}{host}")
 

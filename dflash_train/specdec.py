@@ -372,13 +372,17 @@ class Decoder:
 
     # ----------------------------------------------------------------------- speculative
 
-    def _leave(self, rows: list[int], live: list[int]) -> tuple[list[int], torch.Tensor]:
-        """Finished rows leave: the live batch indices `live` move into the lowest slots of both
-        caches. Returns the live rows' prompt indices and `live` as a device index."""
+    def _survivors(self, rows: list[int], outs, stop: set[int], max_new_tokens: int, tensors: tuple):
+        """The rows that go on (last token not a stop token, budget not spent) and their rows of
+        the per-row `tensors` (None stays None). Finished rows leave: the live ones move into
+        the lowest slots of both caches. No row left: ([], tensors)."""
+        live = [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
+        if not live or len(live) == len(rows):
+            return [rows[i] for i in live], tensors
         index = torch.tensor(live, device=self.device)
         _keep_slots(self.target.cache, index)
         self.proposer.keep_rows(index)
-        return [rows[i] for i in live], index
+        return [rows[i] for i in live], tuple(None if t is None else t.index_select(0, index) for t in tensors)
 
     def _cycle_fn(self, width: int):
         """One speculative cycle of the DFlash proposer as one step function (one graph per row
@@ -405,13 +409,10 @@ class Decoder:
         context_len_R = anchor_R.clone()
         rows = list(range(len(outs)))
         while True:
-            live = _live(rows, outs, stop, max_new_tokens)
-            if not live:
+            rows, (token_R, anchor_R, context_len_R, seeds_R, context_RTF) = self._survivors(
+                rows, outs, stop, max_new_tokens, (token_R, anchor_R, context_len_R, seeds_R, context_RTF))
+            if not rows:
                 break
-            if len(live) < len(rows):
-                rows, index = self._leave(rows, live)
-                token_R, anchor_R, context_len_R, seeds_R, context_RTF = (
-                    t.index_select(0, index) for t in (token_R, anchor_R, context_len_R, seeds_R, context_RTF))
             R = len(rows)
             max_anchor = max(lengths[r] + len(outs[r]) - 1 for r in rows)
             W = pick(max_anchor + B, target.widths)
@@ -472,14 +473,10 @@ class Decoder:
         k_B = torch.arange(B, device=device)
         rows = list(range(R))  # the prompt of each live row (live rows sit in slots 0..n-1)
         while True:
-            live = _live(rows, outs, stop, max_new_tokens)
-            if not live:
+            rows, (seq_RS, anchor_R, context_len_R, seeds_R, context_RTF) = self._survivors(
+                rows, outs, stop, max_new_tokens, (seq_RS, anchor_R, context_len_R, seeds_R, context_RTF))
+            if not rows:
                 break
-            if len(live) < len(rows):
-                rows, index = self._leave(rows, live)
-                seq_RS, anchor_R, context_len_R, seeds_R = (t.index_select(0, index)
-                                                            for t in (seq_RS, anchor_R, context_len_R, seeds_R))
-                context_RTF = None if context_RTF is None else context_RTF.index_select(0, index)
             anchors = [lengths[r] + len(outs[r]) - 1 for r in rows]  # each row's last committed token
             proposals_RK = proposer.propose_batch(seq_RS, anchor_R, context_RTF, context_len_R, max(anchors))
             block_RB = torch.cat([seq_RS.gather(1, anchor_R[:, None]), proposals_RK.to(device, torch.long)], dim=1)
@@ -497,11 +494,6 @@ class Decoder:
         _sync(device)
         seconds = time.perf_counter() - started - (self.capture_seconds - captured)
         return [Generation(outs[r], accepted[r], outs[r][-1] in stop, seconds) for r in range(R)]
-
-
-def _live(rows: list[int], outs: list[list[int]], stop: set[int], max_new_tokens: int) -> list[int]:
-    """Batch indices of the rows that go on: last token not a stop token, budget not spent."""
-    return [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
 
 
 def _commit(rows: list[int], packets: list[list[int]], outs, accepted, stop: set[int], max_new_tokens: int) -> None:

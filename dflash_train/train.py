@@ -132,7 +132,12 @@ def write_validation_prompts(path: Path, validation, log=print) -> None:
 
     if "source" not in validation.column_names:
         return
-    records = data.records_at(validation["source"])
+    sources = list(dict.fromkeys(validation["source"]))
+    if path.is_file():  # a resumed run: the same split, already written (the data files are not read again)
+        with open(path, encoding="utf-8") as f:
+            if [json.loads(line).get("id") for line in f] == sources:
+                return
+    records = data.records_at(sources)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:

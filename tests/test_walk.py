@@ -141,7 +141,7 @@ def test_validation_split_is_stable_disjoint_and_independent_of_order_and_settin
     assert found[0] == found[1] == found[2] == [rows[int(i)]["input_ids"] for i in held]
 
 
-def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path):
+def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, monkeypatch):
     """A run with data.validation writes validation.jsonl: exactly the held-out conversations
     (read back from their file:line), with their user turns for `eval --prompts` and their
     messages for `eval --walk`; a sample without a source is left out."""
@@ -174,6 +174,10 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path):
     assert {"system" in w for w in written} == {True, False}  # both kinds held out
     assert [(r.turns, r.system) for r in load_prompts(str(out))] == [(w["turns"], w.get("system")) for w in written]
     assert [r.messages for r in data.iter_records([out])] == [w["messages"] for w in written]
+    # Written once: a resumed run finds the same records there and reads no data file again.
+    monkeypatch.setattr(data, "records_at", lambda sources: pytest.fail("read the data files again"))
+    write_validation_prompts(out, validation, log=lambda *a: None)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == written
     sourceless = Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]], "length": [2]})
     write_validation_prompts(tmp_path / "none.jsonl", sourceless, log=lambda *a: None)
     assert not (tmp_path / "none.jsonl").exists()
