@@ -144,7 +144,6 @@ class BatchPlan:
         return float(self.lengths.sum()) / padded
 
 
-
 def collate(dataset, indices: np.ndarray, length: int, pad_id: int):
     """input_ids [B, L] (pad_id after each row), loss_mask [B, L] bool, lengths [B]."""
     import torch
@@ -170,6 +169,10 @@ class BatchStream:
             raise ValueError(f"the plan covers {len(plan.lengths)} samples but the dataset has {len(dataset)}; "
                              "build the plan from this dataset's `length` column")
         self.dataset, self.plan, self.pad_id = dataset, plan, pad_id
+        # Which conversations, in which order: a different validation split (or other data of the
+        # same lengths) is another plan even when every length and count agrees.
+        self.samples_digest = (hashlib.sha256("\n".join(dataset["conversation"]).encode()).hexdigest()[:16]
+                               if "conversation" in dataset.column_names else None)
 
     def epoch_of(self, g: int) -> int:
         return g // self.plan.num_batches
@@ -184,14 +187,18 @@ class BatchStream:
         """What a saved cursor must match to mean the same batches."""
         plan = self.plan
         return {"seed": plan.seed, "num_samples": int(plan.lengths.size), "boundaries": list(plan.boundaries),
-                "token_budget": plan.token_budget, "max_batch_size": plan.max_batch_size}
+                "token_budget": plan.token_budget, "max_batch_size": plan.max_batch_size,
+                "samples": self.samples_digest}
 
     def check_state(self, state: dict[str, Any]) -> int:
         """The next global index of a saved cursor, after checking it was saved for this plan."""
-        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self.identity().items() if state.get(k) != v]
+        # "samples" is checked when the cursor was saved with it (older checkpoints lack it).
+        differ = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self.identity().items()
+                  if state.get(k) != v and (k != "samples" or k in state)]
         if differ:
             raise ValueError("the data cursor was saved for another batch plan, so resuming would not "
-                             "continue the same epoch (" + "; ".join(differ) + "); use the saved settings")
+                             "continue the same epoch (" + "; ".join(differ) + "); use the saved settings "
+                             "(samples: the same data, data.validation and data.validation_seed)")
         return int(state["next_index"])
 
 

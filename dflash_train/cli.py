@@ -7,6 +7,10 @@ import argparse
 import os
 import sys
 
+from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET
+
+TARGET_HELP = f"the target's Hugging Face folder, or {BUNDLED_TARGET} / {QWEN_CODER_TARGET} / {TINY_TARGET}"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -78,6 +82,7 @@ def run_export(args) -> int:
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 
+
 def add_data_commands(commands) -> None:
     from dflash_train import data, regenerate
 
@@ -90,7 +95,7 @@ def add_data_commands(commands) -> None:
     prepare.add_argument("--data", nargs="+", required=True, metavar="PATH",
                          help=".json/.jsonl/.parquet files or folders of them (ShareGPT or OpenAI messages)")
     prepare.add_argument("--target", required=True, metavar="DIR",
-                         help="the target's Hugging Face folder (its tokenizer and chat template are used)")
+                         help=f"{TARGET_HELP} (its tokenizer and chat template are used)")
     prepare.add_argument("--out", required=True, metavar="DIR", help="folder for the dataset and report.json")
     prepare.add_argument("--max-length", type=int, default=data.DEFAULT_MAX_LENGTH, metavar="N",
                          help="longest sample in tokens (default %(default)s)")
@@ -105,7 +110,7 @@ def add_data_commands(commands) -> None:
     )
     regen.add_argument("--data", nargs="+", required=True, metavar="PATH",
                        help=".json/.jsonl/.parquet files or folders of them")
-    regen.add_argument("--target", required=True, metavar="DIR", help="the target's Hugging Face folder")
+    regen.add_argument("--target", required=True, metavar="DIR", help=TARGET_HELP)
     regen.add_argument("--out", required=True, metavar="FILE",
                        help="JSONL output; an existing one is resumed, not overwritten")
     regen.add_argument("--max-new-tokens", type=int, default=regenerate.DEFAULT_MAX_NEW_TOKENS, metavar="N",
@@ -166,7 +171,7 @@ def add_eval_command(commands) -> None:
         "write JSON results (OUTPUT), a markdown summary (.md) and an acceptance histogram (.png).",
     )
     ev.add_argument("--target", required=True, metavar="DIR",
-                    help="the target's Hugging Face folder, or bundled:smollm2-135m-instruct / bundled:tiny-random-llama")
+                    help=TARGET_HELP)
     ev.add_argument("--drafter", required=True, metavar="DIR", help="a drafter folder in the published DFlash format")
     ev.add_argument("--prompts", action="append", metavar="NAME_OR_FILE",
                     help="mt-bench, humaneval, gsm8k or a JSONL file of {\"turns\": [...]}; comma-separated "

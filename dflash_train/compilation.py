@@ -90,11 +90,11 @@ def compile_target_layers(target) -> None:
 
 
 def loss_chunk(soft: bool = False):
-    """The compiled per-chunk loss (`loss._chunk_loss`, or `loss._soft_chunk_loss` for
+    """The compiled per-chunk loss (`loss.hard_chunk_loss`, or `loss._soft_chunk_loss` for
     distillation); block_loss(compile=True) calls it."""
     if soft not in _loss_chunks:
-        from dflash_train.loss import _chunk_loss, _soft_chunk_loss
+        from dflash_train.loss import _soft_chunk_loss, hard_chunk_loss
 
         _raise_recompile_limit()
-        _loss_chunks[soft] = torch.compile(_soft_chunk_loss if soft else _chunk_loss, dynamic=False, fullgraph=True)
+        _loss_chunks[soft] = torch.compile(_soft_chunk_loss if soft else hard_chunk_loss, dynamic=False, fullgraph=True)
     return _loss_chunks[soft]

@@ -475,9 +475,15 @@ def records_at(sources: Iterable[str]) -> list[Record]:
     for file, lines in wanted.items():
         if not Path(file).is_file():
             continue
-        for item in iter_records([file]):
-            if isinstance(item, Record) and item.line in lines:
-                found[(file, item.line)] = item
+        left = set(lines)
+        for item, line in _iter_objects(Path(file)):  # only the wanted lines parsed; stop when all are found
+            if line in left and not isinstance(item, Skip):
+                record = parse_record(item, file, line)
+                if isinstance(record, Record):
+                    found[(file, line)] = record
+                left.discard(line)
+                if not left:
+                    break
     return [found[key] for key in order if key in found]
 
 
@@ -519,7 +525,8 @@ def _build_samples(tokenizer, special, records: list[Record], max_length: int, o
                                 "too few supervised tokens: fewer than two adjacent supervised tokens"
                                 + (" after truncation" if truncated else "")))
             continue
-        kept.append((ids, mask, conversation_key(record.messages), f"{record.file}:{record.line}"))
+        # An absolute path: the source still names its file from another working directory.
+        kept.append((ids, mask, conversation_key(record.messages), f"{Path(record.file).resolve()}:{record.line}"))
     return kept
 
 
@@ -591,9 +598,6 @@ def prepare(
     out, target = Path(out), Path(target)
     if not target.is_dir():
         raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
-    problem = folder_problem(out)
-    if problem is not None:
-        raise DataError(f"--out {out}: {problem}: choose a folder you can write in")
     files = data_files(paths)
     key = fingerprint(files, target, max_length, overlong)
     if is_prepared_folder(out):
@@ -606,6 +610,9 @@ def prepare(
             return Prepared(datasets.load_from_disk(str(out)), report, out, cached=True)
     elif out.exists() and any(out.iterdir()):
         raise DataError(f"--out {out} exists and is not a prepared dataset; choose an empty or new folder")
+    problem = folder_problem(out)  # only now: an up-to-date prepared folder is read, never written
+    if problem is not None:
+        raise DataError(f"--out {out}: {problem}: choose a folder you can write in")
 
     from transformers import AutoTokenizer  # imported only when there is work to do (slow import)
 

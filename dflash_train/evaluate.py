@@ -2,7 +2,8 @@
 
 Owns the prompt sets (MT-Bench, HumanEval, GSM8K from the installed data packages, or a JSONL
 file of {"turns": [...]} records), forming prompts as the DFlash paper's benchmark does (the
-target's chat template with the generation prompt, no system prompt; GSM8K and HumanEval
+target's chat template with the generation prompt, no system prompt unless a prompts file
+gives one; GSM8K and HumanEval
 wrapped in their instruction; a second turn sees our own first answer), running a set through
 `specdec.speculative_generate` (in this process, or spread over worker processes; with a batch
 size above 1, a batch of records per `specdec.speculative_generate_batch` call, turn by turn),
@@ -49,6 +50,11 @@ class PromptRecord:
     system: str | None = None
     """A system message before the first turn (a prompts file's "system"); None: the template's
     default."""
+
+    def first_messages(self) -> list[dict[str, str]]:
+        """The conversation up to the first turn: the system message (if any), the first turn."""
+        opening = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return opening + [{"role": "user", "content": self.turns[0]}]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -244,8 +250,7 @@ def decode_records(engine: specdec.Decoder, tokenizer, records: list[tuple[int, 
     `engine.generate` call), so a record's second turn still sees its own first answer. Same
     entries and mismatches as decode_record on each record; a turn's seconds are its batch's
     (comparable with batch-1 timings only at one record)."""
-    messages: list[list[dict[str, str]]] = [[{"role": "system", "content": r.system}] if r.system is not None else []
-                                            for _, r in records]
+    messages: list[list[dict[str, str]]] = [r.first_messages()[:-1] for _, r in records]  # the system message
     entries = [{"id": r.id, "set": name, "acceptance_lengths": [], "output_ids": []} for _, r in records]
     stats: list[list[TurnStats]] = [[] for _ in records]
     for turn in range(max(len(r.turns) for _, r in records)):
@@ -392,6 +397,17 @@ def model_problems(target: str, drafter: str) -> list[str]:
     return problems + problems_of(lambda: drafter_config(drafter, "--drafter", config))
 
 
+def checked_inputs(target: str, drafter: str, device: str, dtype: str, problems: list[str]):
+    """(device, dtype) of an evaluation, after `problems` (the caller's own option checks), the
+    model folders (`model_problems`) and the device are all checked, from config files alone,
+    before anything is loaded: one InputError naming every problem."""
+    problems = problems + model_problems(target, drafter) + problems_of(lambda: resolve_device(device, setting="--device"))
+    if problems:
+        raise InputError("; ".join(problems))
+    dev = resolve_device(device, setting="--device")
+    return dev, resolve_dtype(dtype, dev)
+
+
 def load_models(target: str, drafter: str, device: torch.device, dtype: torch.dtype, temperature: float = 0.0,
                 graphs: bool = True):
     """(decoding engine of the target and a DFlashProposer of the drafter folder, tokenizer,
@@ -455,8 +471,7 @@ def warm_capacity(tokenizer, sets: list[tuple[str, list[PromptRecord]]], max_new
     """Positions the timed first turns need: the longest first-turn prompt, the budget and two
     blocks (later turns that need more capture their graphs when they come; capture time is
     never part of a decoding's seconds)."""
-    longest = max(len(prompt_ids(tokenizer, [{"role": "user", "content": r.turns[0]}]))
-                  for _, records in sets for r in records)
+    longest = max(len(prompt_ids(tokenizer, r.first_messages())) for _, records in sets for r in records)
     return longest + max_new_tokens + 2 * block_size + 2
 
 
@@ -480,11 +495,7 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
         ("--eager-turns", eager_turns, eager_turns >= 0, ">= 0"),
         ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
         ("--limit", limit, limit is None or limit >= 1, ">= 1 (leave it out for every prompt)")) if not ok]
-    problems += model_problems(target, drafter) + problems_of(lambda: resolve_device(device, setting="--device"))
-    if problems:
-        raise InputError("; ".join(problems))
-    dev = resolve_device(device, setting="--device")
-    torch_dtype = resolve_dtype(dtype, dev)
+    dev, torch_dtype = checked_inputs(target, drafter, device, dtype, problems)
     sets = [(set_label(p), load_prompts(p, limit)) for p in prompts]  # bad names fail before loading
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "baseline": speedup}
     timed = speedup_turns if speedup else 0

@@ -82,7 +82,7 @@ def accepted_run_length(matches_NK: torch.Tensor) -> torch.Tensor:
     return matches_NK.to(torch.long).cumprod(dim=-1).sum(dim=-1)
 
 
-def _chunk_loss(h_CH, weight_VH, labels_C, need_grad: bool):
+def hard_chunk_loss(h_CH, weight_VH, labels_C, need_grad: bool):
     """One chunk of rows towards hard labels: (CE per row, argmax of the logits, the label's
     log-probability, d CE_row / d h or None).
 
@@ -169,7 +169,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
 
             chunk = loss_chunk(soft)
         else:
-            chunk = _soft_chunk_loss if soft else _chunk_loss
+            chunk = _soft_chunk_loss if soft else hard_chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
             h, aux = hidden_MH[s:e], (target_MH if soft else labels_M)[s:e]

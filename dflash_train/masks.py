@@ -111,15 +111,21 @@ def sample_anchors(
     anchors_N = torch.nonzero(chosen_T).flatten()
     # A row without any valid anchor still yields one (padding) block, so every step has a
     # well-formed, if lossless, drafter forward instead of a zero-length attention.
-    multiple = max(1, pad_to_multiple)
     n = anchors_N.numel()
-    target = max(multiple, -(-n // multiple) * multiple)
-    if pow2_buckets:
-        target = multiple * (1 << max(0, math.ceil(math.log2(target / multiple))))
-    pad = target - n
+    pad = padded_anchor_count(n, pad_to_multiple, pow2_buckets) - n
     if pad:
         anchors_N = torch.cat([anchors_N, anchors_N.new_full((pad,), -1)])
     return anchors_N
+
+
+def padded_anchor_count(n: int, multiple: int, pow2_buckets: bool) -> int:
+    """How many anchors `n` are padded to: at least one block, a multiple of `multiple`, and
+    with `pow2_buckets` that multiple times a power of two (a bounded set of shapes)."""
+    multiple = max(1, multiple)
+    target = max(multiple, -(-n // multiple) * multiple)
+    if pow2_buckets:
+        target = multiple * (1 << max(0, math.ceil(math.log2(target / multiple))))
+    return target
 
 
 @dataclass

@@ -49,12 +49,12 @@ def draw_panel(ax, name: str, records: list[dict]) -> None:
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
     if name == "loss":
-        ax.plot(*series(records, "loss"), color="#4c72b0", label="training")
+        ax.plot(*series(records, "loss"), color="#4c72b0", label="training (objective.labels / weighting)")
         validation = series(records, "val_loss")
-        if validation[0]:
-            ax.plot(*validation, color="#c44e52", marker="o", label="validation (every anchor)")
+        if validation[0]:  # always the paper's decayed CE on the data's tokens, whatever the objective
+            ax.plot(*validation, color="#c44e52", marker="o", label="validation: decayed CE on data tokens, every anchor")
             ax.legend(loc="best", fontsize="small")
-        ax.set_title("loss (decayed block cross-entropy)")
+        ax.set_title("loss")
     elif name == "lr":
         ax.plot(*series(records, "lr"), color="#55a868")
         ax.set_title("learning rate")

@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.masks import step_generator
-
-NOISE_STREAM = 0  # masks.ANCHOR_STREAM is the other stream of a micro-batch
+from dflash_train.masks import NOISE_STREAM, step_generator
 
 
 def add_feature_noise(

@@ -26,11 +26,8 @@ from dflash_train.produce import FeatureNoise, Shipment, context_features
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor
-    grad_norm: torch.Tensor
     applied: bool
-    failed_batches: int = 0
-    """Micro-batches of this rank skipped because the target forward raised."""
+    """The optimizer step was taken (finite loss and gradient norm)."""
     all_failed: bool = False
     """Every micro-batch of the step (on every drafter rank) failed: nothing to learn from."""
     last_trained: int = -1
@@ -74,12 +71,11 @@ class DrafterStep:
     def __call__(self, shipments) -> StepResult:
         """One optimizer step; `shipments` yields the next micro-batch only after the previous
         one's backward (a drafter rank's receive buffers are reused)."""
-        loss_sum, weight_sum, used, failed, last = 0.0, 0.0, 0, 0, -1
+        loss_sum, weight_sum, used, last = 0.0, 0.0, 0, -1
         for shipment in shipments:
             step = shipment.index // self.micro_per_step + 1
             out = self.forward(shipment)
-            if out is None:
-                failed += 1
+            if out is None:  # the target failed on it: skipped (Accumulator counts it)
                 continue
             self.timer.mark("backward")
             out.loss_sum.backward()
@@ -91,7 +87,7 @@ class DrafterStep:
             loss_sum, weight_sum, used_by_all = self.reduce_gradients(loss_sum, weight_sum, used, step)
         applied, all_failed = False, used_by_all is None and used == 0
         if all_failed:  # nothing to learn from: weights and optimizer untouched
-            loss_sum = grad_norm = torch.zeros((), device=self.device)
+            grad_norm = torch.zeros((), device=self.device)
         else:
             params = [p for p in self.drafter.parameters() if p.grad is not None]
             # Exact mean over all micro-batches: gradients of the summed loss, divided once.
@@ -110,7 +106,7 @@ class DrafterStep:
         self.scheduler.step()
         self.timer.mark(None)
         self.acc.add_step(grad_norm, skipped=not applied)
-        return StepResult(loss_sum, grad_norm, bool(applied), failed, all_failed=all_failed, last_trained=last)
+        return StepResult(applied, all_failed=all_failed, last_trained=last)
 
     def forward(self, s: Shipment) -> BlockLossOutput | None:
         """One micro-batch: (split fc: concat + noise) -> anchors -> blocks and masks -> drafter

@@ -149,7 +149,9 @@ def write_validation_prompts(path: Path, validation, log=print) -> None:
                 entry["system"] = first["content"]
             f.write(json.dumps(entry, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
-    log(f"data: the {len(records)} held-out records -> {path} (eval --prompts / --walk read it)")
+    missing = f"; {len(sources) - len(records)} not found in their files (moved or changed?)" \
+        if len(records) < len(sources) else ""
+    log(f"data: the {len(records)} held-out records -> {path} (eval --prompts / --walk read it){missing}")
 
 
 def build_drafter(cfg: Config, target_config, tokenizer) -> DFlashDrafter:
@@ -208,11 +210,9 @@ class Run:
     receiver: Receiver | None
     control: Control
     checkpoints: CheckpointManager
-    compilation: Compilation
     faults: Faults
     timer: StageTimer
     log: Callable  # the leader's messages (a no-op elsewhere)
-    log_any: Callable  # messages every rank prints, prefixed with its name
     steps_done: int = 0
     evaluator: object | None = None
     waits_logged: list[float] | None = None
@@ -294,7 +294,7 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     return Run(cfg, dist, Path(cfg.output_dir), assign, plan, stream, total_steps, producer, step,
                Sender(dist, cfg.topology.queue_depth) if disaggregated and dist.is_target else None,
                Receiver(dist) if disaggregated and dist.is_drafter else None,
-               control, checkpoints, compilation, faults, timer, lead_log, log_any,
+               control, checkpoints, faults, timer, lead_log,
                validation=validation, best=best)
 
 

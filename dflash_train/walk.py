@@ -42,14 +42,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dflash_train import specdec
 from dflash_train.batching import BatchPlan, BatchStream, quantile_boundaries
 from dflash_train.config import DEFAULT_GAMMA, DataSection, ObjectiveSection
-from dflash_train.errors import InputError, problems_of
-from dflash_train.loss import accepted_run_length, position_weights
-from dflash_train.masks import ANCHOR_STREAM, build_attention_masks, build_layout, sample_anchors, step_generator
+from dflash_train.errors import InputError
+from dflash_train.loss import accepted_run_length, hard_chunk_loss, position_weights
+from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, padded_anchor_count, sample_anchors,
+                                step_generator)
 from dflash_train.produce import FeatureNoise, pack
 
 # Block rows of one drafter forward. Flex attention visits only the visible tiles, so the bound
@@ -110,7 +110,7 @@ def _padded(anchors_G: torch.Tensor, size: int, multiple: int) -> torch.Tensor:
     shapes training's anchor padding gives compiled code."""
     n = anchors_G.numel()
     if n < size:
-        size = min(size, multiple * (1 << max(0, math.ceil(math.log2(max(1, -(-n // multiple)))))))
+        size = min(size, padded_anchor_count(n, multiple, pow2_buckets=True))
     return torch.cat([anchors_G, anchors_G.new_full((size - n,), -1)])
 
 
@@ -122,9 +122,7 @@ def _predict(hidden_MH, weight_VH, labels_M, valid_M, chunk_rows: int):
     ce_M = torch.zeros(labels_M.shape, dtype=torch.float32, device=labels_M.device)
     for s in range(0, rows.numel(), chunk_rows):
         r = rows[s : s + chunk_rows]
-        logits = hidden_MH[r] @ weight_VH.t()
-        preds_M[r] = logits.argmax(dim=-1)
-        ce_M[r] = F.cross_entropy(logits.float(), labels_M[r], reduction="none")
+        ce_M[r], preds_M[r], _, _ = hard_chunk_loss(hidden_MH[r], weight_VH, labels_M[r], need_grad=False)
     return preds_M, ce_M
 
 
@@ -305,16 +303,12 @@ def evaluate_walk(target: str, drafter: str, paths: list[str], *, limit: int | N
     of `evaluate.combine`: tau, per_set (with the validation-style loss and per-position
     accuracy added), histogram, settings and, per record, its turns' acceptance lengths."""
     from dflash_train import compilation
-    from dflash_train.evaluate import SetResult, combine, model_problems, set_label
+    from dflash_train.evaluate import SetResult, checked_inputs, combine, set_label
     from dflash_train.export import load_drafter
-    from dflash_train.target import load_target, resolve_device, resolve_dtype, resolve_target_path
+    from dflash_train.target import load_target, resolve_target_path
 
     problems = [f"--limit must be >= 1 (leave it out for every sample), got {limit}"] if limit is not None and limit < 1 else []
-    problems += model_problems(target, drafter) + problems_of(lambda: resolve_device(device, setting="--device"))
-    if problems:  # from config files alone, before any data is prepared or model loaded
-        raise InputError("; ".join(problems))
-    dev = resolve_device(device, setting="--device")
-    torch_dtype = resolve_dtype(dtype, dev)
+    dev, torch_dtype = checked_inputs(target, drafter, device, dtype, problems)  # before any data is prepared
     target_dir = resolve_target_path(target)
     started = time.perf_counter()
     sets, results = [], []

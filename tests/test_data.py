@@ -361,3 +361,15 @@ def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypat
     assert report["num_samples"] > 20 and report["num_records"] == report["num_samples"] + report["num_skipped"]
     assert data.default_dataset(smollm2_path, log=lambda *_: None).cached
     assert np.all(np.asarray(result.dataset["length"]) <= data.DEFAULT_MAX_LENGTH)
+
+
+def test_an_up_to_date_prepared_folder_is_read_where_nothing_can_be_written(tmp_path, smollm2_path, monkeypatch):
+    """A cached prepared folder on a read-only place (a shared cache) is read as it is; only a
+    folder that must be written is checked for writing."""
+    src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT])
+    first = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    monkeypatch.setattr(data, "folder_problem", lambda path: "read-only file system")
+    again = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    assert again.cached and again.report["num_samples"] == first.report["num_samples"] == 1
+    with pytest.raises(data.DataError, match="read-only file system"):
+        data.prepare([src], smollm2_path, tmp_path / "elsewhere", log=lambda *_: None)

@@ -183,6 +183,30 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, m
     assert not (tmp_path / "none.jsonl").exists()
 
 
+def test_a_resume_with_another_validation_split_is_refused():
+    """Holding out other conversations (another data.validation_seed) can leave every length and
+    count of the batch plan equal; the cursor's sample digest still tells the runs apart."""
+    from dflash_train.batching import BatchStream
+    from dflash_train.train import batch_plan
+
+    keys = [f"c{i}" for i in range(500)]
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 500, "loss_mask": [[0, 1, 1]] * 500, "length": [3] * 500,
+                              "conversation": keys})
+    streams = []
+    for seed in (0, 1):
+        cfg = load_config(TINY, ["data.validation=8", f"data.validation_seed={seed}"])
+        training, _ = split_data(cfg, rows, log=lambda *a: None)
+        streams.append(BatchStream(training, batch_plan(cfg, training["length"])))
+    saved = {**streams[0].identity(), "next_index": 3}
+    assert {k: v for k, v in streams[1].identity().items() if k != "samples"} == \
+        {k: v for k, v in saved.items() if k not in ("samples", "next_index")}
+    assert streams[0].check_state(saved) == 3
+    with pytest.raises(ValueError, match="samples: saved"):
+        streams[1].check_state(saved)
+    older = {k: v for k, v in saved.items() if k != "samples"}  # a cursor saved before the digest existed
+    assert streams[1].check_state(older) == 3
+
+
 def test_conversation_key_is_the_prompt_side_so_regenerated_chats_stay_on_their_side():
     raw = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "A joke."},
