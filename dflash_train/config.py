@@ -208,7 +208,8 @@ class EvalSection:
     held-out split (data.validation), and the served tau of real speculative decoding on
     `prompts`. Must be a multiple of log.every: the results go into that step's metrics.jsonl
     record. The served evaluation loads a second, full copy of the target (the training target
-    stops at the last tapped layer)."""
+    stops at the last tapped layer). The run's last step (max_steps or the max_time_s stop) is
+    evaluated too."""
     prompts: str | None = "mt-bench"
     """Prompts of the served evaluation: mt-bench, humaneval, gsm8k, or a JSONL file of
     {"turns": [...]}; null: none (the walked tau on the validation split only)."""

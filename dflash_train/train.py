@@ -365,7 +365,10 @@ def train_drafter(run: Run) -> Path | None:
                 stop = control.agree(n, result)
                 # Not on a signal: the interval's sums are saved and the resumed run logs them.
                 if n % cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
-                    record = log_record(run, evaluate=bool(cfg.eval.every) and n % cfg.eval.every == 0)
+                    # Walked every eval.every steps and at the end (the last step or the time box), so
+                    # the weights a run ends with are measured and keep_best can choose them.
+                    last = n == run.total_steps or stop is Stop.TIME
+                    record = log_record(run, evaluate=bool(cfg.eval.every) and (n % cfg.eval.every == 0 or last))
                     sink.log(record)
                     # keep_best: evaluation steps are checkpoint steps (config check), so the
                     # checkpoint saved below holds these weights and this best.
