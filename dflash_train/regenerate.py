@@ -13,7 +13,10 @@ makes room for the next one, so the responder always has work. Answers come from
 `Responder`: the target on decode.py's engine (`LocalResponder`: rows refilled as they finish,
 CUDA graphs on a GPU), or serving engines (`ServerResponder` over serving.ServerPool,
 `--server`: vLLM, SGLang, `transformers serve`). Lines are written in input order, so an output
-is always a prefix of the full one and a rerun resumes after its last whole line. A turn's
+is always a prefix of the full one and a rerun resumes after its last whole line. Records that
+finished behind an unfinished earlier one when a run is stopped (Ctrl-C, SIGTERM, a time box)
+are kept in a file beside the output (`OUT.ahead`, `ahead_path`) and the rerun writes them
+without regenerating them, so a stop loses only the turns in flight. A turn's
 sampling seed depends only on (seed, record position, turn) (serving.turn_seed), and at T = 0
 in float32 a turn's tokens depend only on its prompt, so the output does not depend on the
 batch size, the refill order or `--workers` (processes that each regenerate fixed chunks of
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from dflash_train.control import StopFlag
 from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, nothing_usable, render
 from dflash_train.errors import output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
@@ -86,6 +91,73 @@ def resume_point(out: Path, records: list[Record]) -> int:
             raise DataError(f"{out}:{number} does not match input record {record.file}:{record.line}; "
                             "the output comes from other input: choose another --out or delete it")
     return len(lines)
+
+
+def ahead_path(out: Path) -> Path:
+    """The file beside `out` that keeps the records a stopped run finished ahead of its written
+    prefix (not .jsonl, so a folder of training data never reads it)."""
+    return out.with_name(out.name + ".ahead")
+
+
+def read_ahead(out: Path, records: list[Record], done: int) -> dict[int, str]:
+    """The kept records of `out`'s ahead file (position -> output line) that are not written yet
+    (position >= `done`). Each must be the record at its position (same first user turn), else
+    the file comes from other input and DataError says so."""
+    path = ahead_path(out)
+    if not path.exists():
+        return {}
+    kept: dict[int, str] = {}
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            entry = json.loads(raw)
+            position, line = int(entry["position"]), entry["line"]
+            if not isinstance(line, str):
+                raise TypeError("line is not a string")
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{path}:{number}: not a kept record ({err}); delete {path} (its records are "
+                            "regenerated)") from None
+        if position < done:
+            continue  # written since (an older file)
+        record = records[position] if position < len(records) else None
+        if record is None or _output_first_user(line.encode(), record) != _first_user(record.messages):
+            where = f"input record {record.file}:{record.line}" if record is not None else \
+                f"any input record (the input has {len(records)})"
+            raise DataError(f"{path}:{number} (record {position + 1}) does not match {where}; it comes from other "
+                            f"input: delete {path} or choose another --out")
+        kept[position] = line if line.endswith("\n") else line + "\n"
+    return kept
+
+
+def keep_ahead(out: Path, kept: dict[int, str], written: int) -> int:
+    """Rewrite `out`'s ahead file (atomically) with the kept records not written yet (position >=
+    `written`), or remove it when there are none. Returns how many it keeps."""
+    path = ahead_path(out)
+    left = sorted(p for p in kept if p >= written)
+    if not left:
+        path.unlink(missing_ok=True)
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for position in left:
+            handle.write(json.dumps({"position": position, "line": kept[position]}, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return len(left)
+
+
+class _Stopped(Exception):
+    """A signal asked the one-process regeneration to stop (StopFlag)."""
+
+
+class _StopFlag(StopFlag):
+    """SIGINT / SIGTERM: the first asks the stream to stop after the step in progress; a second
+    one interrupts at once (a step that hangs), and the finished records are still kept."""
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        super()._handle(signum, frame)
 
 
 class Responder(Protocol):
@@ -211,19 +283,25 @@ HOST_STATS = ("prompt_s", "text_s")
 
 def regenerate_stream(responder: Responder, tokenizer, records: list[Record], first_position: int,
                       settings: dict[str, Any], stats: dict[str, int],
-                      on_poll: Callable[[int], None] | None = None) -> Iterator[str]:
+                      on_poll: Callable[[int], None] | None = None,
+                      finished: dict[int, str] | None = None) -> Iterator[str]:
     """The output lines of `records` (whose first is record `first_position` of the input), in
     order, regenerated by continuous batching over conversations (module docstring). A
     conversation is cut (its remaining turns dropped; counted in `num_cut`, or
     `num_template_errors` when the template refuses it) before a turn whose prompt exceeds
     `max_prompt_length` tokens. `stats` (CHUNK_STATS) is updated as turns come back, and
     `on_poll(finished)` is called after every answered batch with the number of records finished
-    so far (written or waiting for an earlier, longer one), for progress reports."""
+    so far (written or waiting for an earlier, longer one), for progress reports.
+
+    `finished` (position -> output line), when given, is the caller's store of records done but
+    not yet yielded: records already in it (kept by a stopped run) are not regenerated, and
+    whatever it holds when the stream stops early is what the caller keeps (`keep_ahead`)."""
     window = max(1, int(settings.get("window") or 2 * responder.capacity))
     waiting = deque(enumerate(records, start=first_position))
     active: dict[int, Conversation] = {}
-    finished: dict[int, str] = {}
-    next_out = first_position
+    finished = {} if finished is None else finished
+    next_out, end = first_position, first_position + len(records)
+    beyond = sum(not first_position <= k < end for k in finished)  # kept for records after this range
 
     for key in HOST_STATS:
         stats.setdefault(key, 0.0)
@@ -254,9 +332,11 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     while waiting or active:
         while waiting and len(active) < window:
             position, record = waiting.popleft()
+            if position in finished:  # kept by a stopped run
+                continue
             active[position] = Conversation(position, record)
             advance(active[position])
-        while next_out in finished:
+        while next_out < end and next_out in finished:
             yield finished.pop(next_out)
             next_out += 1
         text_before = getattr(responder, "text_seconds", 0.0)
@@ -269,8 +349,8 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
             active[position].answer(text)
             advance(active[position])
         if on_poll is not None:
-            on_poll(next_out - first_position + len(finished))
-    while next_out in finished:
+            on_poll(next_out - first_position + len(finished) - beyond)
+    while next_out < end and next_out in finished:
         yield finished.pop(next_out)
         next_out += 1
 
@@ -301,12 +381,13 @@ def _worker_setup(device, target: str, tokenizer, settings: dict[str, Any]):
 
 
 def _worker_span(state, item) -> tuple[str, dict[str, int]]:
-    """One chunk of records (position, records) regenerated in a worker: its lines and counts."""
+    """One chunk of records (position, records, the chunk's kept records) regenerated in a
+    worker: its lines and counts."""
     responder, tokenizer, settings = state
-    position, records = item
+    position, records, kept = item
     stats = {**dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0)}
     before = responder.generated_tokens
-    text = "".join(regenerate_stream(responder, tokenizer, records, position, settings, stats))
+    text = "".join(regenerate_stream(responder, tokenizer, records, position, settings, stats, finished=dict(kept)))
     stats["num_new_tokens"] = responder.generated_tokens - before
     return text, stats
 
@@ -398,13 +479,18 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     if not records:
         raise DataError(f"--data: {nothing_usable(paths, len(skipped), skipped)}")
     done = resume_point(out, records)
+    kept = read_ahead(out, records, done)
+    stop = len(records) if limit is None else min(len(records), done + limit)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
+               "num_ahead_resumed": sum(done <= p < stop for p in kept), "num_ahead_kept": len(kept),
                "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0),
                "num_new_tokens": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
-    stop = len(records) if limit is None else min(len(records), done + limit)
+    if summary["num_ahead_resumed"]:
+        log(f"data regenerate: {summary['num_ahead_resumed']} records a stopped run finished ahead are kept in "
+            f"{ahead_path(out)}; they are written without being regenerated")
     if done >= stop:
         return summary
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
@@ -433,17 +519,26 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
             writer = _Writer(out)
             started = time.perf_counter()
             last_log = [started]
+            signals = _StopFlag().install() if threading.current_thread() is threading.main_thread() else None
 
             def report(finished: int) -> None:  # every `progress_every_s`, written lines or not
                 summary["num_new_tokens"] = responder.generated_tokens
                 if time.perf_counter() - last_log[0] >= progress_every_s:
                     _progress(log, done + finished, stop, done, summary, summary["num_new_tokens"], started)
                     last_log[0] = time.perf_counter()
+                if signals is not None and signals.requested:
+                    raise _Stopped  # out of the stream: what finished ahead stays in `kept`
 
-            for line in regenerate_stream(responder, tokenizer, records[done:stop], done, settings, summary,
-                                          on_poll=report):
-                writer.write(line)
-                summary["num_written"] += 1
+            try:
+                for line in regenerate_stream(responder, tokenizer, records[done:stop], done, settings, summary,
+                                              on_poll=report, finished=kept):
+                    writer.write(line)
+                    summary["num_written"] += 1
+            except _Stopped:
+                summary["stopped"] = signals.requested
+            finally:
+                if signals is not None:
+                    signals.restore()
             summary["num_new_tokens"] = responder.generated_tokens
             summary["capture_s"] = responder.capture_seconds
         else:
@@ -454,7 +549,8 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 spans.append((position, min(stop, (position // chunk + 1) * chunk)))
                 position = spans[-1][1]
             results = parallel_map(_worker_setup, (str(target), tokenizer, settings), _worker_span,
-                                   [(a, records[a:b]) for a, b in spans], num_workers=workers,
+                                   [(a, records[a:b], {p: kept[p] for p in kept if a <= p < b}) for a, b in spans],
+                                   num_workers=workers,
                                    device=resolve_device(device, setting="--device"))
             for (a, b), (text, stats) in zip(spans, results):
                 writer.write(text)
@@ -466,8 +562,14 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     finally:
         if writer is not None:
             writer.close()
+            summary["num_ahead_kept"] = keep_ahead(out, kept, done + summary["num_written"])
         if pool is not None:
             pool.close()
+    if summary.get("stopped"):
+        where = f", {summary['num_ahead_kept']} finished ahead kept in {ahead_path(out)}" \
+            if summary["num_ahead_kept"] else ""
+        log(f"data regenerate: {summary['stopped']} received: {done + summary['num_written']} records written to "
+            f"{out}{where}; the same command resumes")
     seconds = time.perf_counter() - started
     summary["seconds"] = seconds
     summary["tokens_per_s"] = summary["num_new_tokens"] / seconds if seconds > 0 else None
@@ -494,4 +596,4 @@ def run_regenerate(args) -> int:
     if len(summary["skipped"]) > SHOWN_SKIPS:
         print(f"... and {len(summary['skipped']) - SHOWN_SKIPS} more skipped records")
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}))
-    return 0
+    return 130 if summary.get("stopped") else 0

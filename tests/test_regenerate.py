@@ -176,8 +176,12 @@ def test_workers_write_the_output_of_one_process(tmp_path, tiny_target):
     assert two["num_turns"] == 18
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     run([src], tiny_target, tmp_path / "resumed.jsonl", batch_size=2, limit=2)
+    lines = (tmp_path / "one.jsonl").read_text().splitlines(keepends=True)
+    regenerate.ahead_path(tmp_path / "resumed.jsonl").write_text(  # kept by a stopped run: not regenerated
+        "".join(json.dumps({"position": p, "line": lines[p]}) + "\n" for p in (3, 6)))
     resumed = run([src], tiny_target, tmp_path / "resumed.jsonl", batch_size=2, workers=2)
-    assert resumed["num_resumed"] == 2 and resumed["num_written"] == 7
+    assert resumed["num_resumed"] == 2 and resumed["num_written"] == 7 and resumed["num_ahead_resumed"] == 2
+    assert resumed["num_turns"] == 2 * 5 and not regenerate.ahead_path(tmp_path / "resumed.jsonl").exists()
     assert (tmp_path / "resumed.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
 
 
@@ -240,3 +244,68 @@ def test_progress_is_reported_while_an_early_conversation_still_runs(tmp_path, t
     # The scheduler's host work outside the engine's steps, timed and shown as a share of the time.
     assert 0 < summary["prompt_s"] < summary["seconds"] and 0 < summary["text_s"] < summary["seconds"]
     assert "host: prompts " in progress[-1] and "% of the time" in progress[-1]
+
+
+def _stop_after(polls: int, signum):
+    """A progress log that sends `signum` to this process after `polls` progress lines."""
+    import os
+
+    seen = []
+
+    def log(line: str) -> None:
+        if "tokens/s" in line:
+            seen.append(line)
+            if len(seen) == polls:
+                os.kill(os.getpid(), signum)
+    return log
+
+
+def test_a_stopped_run_keeps_what_finished_ahead_and_the_rerun_writes_it_without_regenerating(tmp_path, tiny_target):
+    """SIGTERM while a long first conversation holds back the writing: the run stops after the
+    step in progress, exits with the records finished behind it kept in OUT.ahead; a rerun with
+    --limit writes only what its limit allows and keeps the rest; the last rerun regenerates only
+    the conversations neither written nor kept, removes the file, and the output equals an
+    uninterrupted run's."""
+    import signal
+
+    long_first = {"id": "long", "conversations": [{"from": "human", "value": "go"}, {"from": "gpt", "value": "x"}] * 6}
+    records = [long_first] + SHAREGPT[:8]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    whole = tmp_path / "whole.jsonl"
+    full = run([src], tiny_target, whole, batch_size=3)
+    assert full["num_turns"] == 6 + 8 * 2
+
+    out = tmp_path / "out.jsonl"
+    stopped = run([src], tiny_target, out, batch_size=3, progress_every_s=0, log=_stop_after(3, signal.SIGTERM))
+    ahead = regenerate.ahead_path(out)
+    assert stopped["stopped"] == "SIGTERM" and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert stopped["num_written"] == 0 and out.read_text() == ""  # the long first one was still running
+    kept = [json.loads(line) for line in ahead.read_text().splitlines()]
+    positions = [k["position"] for k in kept]
+    assert stopped["num_ahead_kept"] == len(kept) >= 2 and positions == sorted(positions) and 0 not in positions
+    lines = whole.read_text().splitlines(keepends=True)
+    assert all(k["line"] == lines[k["position"]] for k in kept)  # what the whole run wrote there
+
+    limited = run([src], tiny_target, out, batch_size=3, limit=2)
+    assert limited["num_written"] == 2 and limited["num_ahead_resumed"] == (1 in positions)
+    assert [json.loads(line)["position"] for line in ahead.read_text().splitlines()] == [p for p in positions if p >= 2]
+
+    rest = run([src], tiny_target, out, batch_size=3)
+    assert rest["num_ahead_resumed"] == len([p for p in positions if p >= 2]) and not ahead.exists()
+    assert rest["num_turns"] == 2 * (len(records) - 2 - rest["num_ahead_resumed"])  # kept ones are not redone
+    assert out.read_text() == whole.read_text()
+
+
+def test_an_ahead_file_from_other_input_or_damaged_is_refused(tmp_path, tiny_target):
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:3])
+    out = tmp_path / "out.jsonl"
+    ahead = regenerate.ahead_path(out)
+    assert ahead.name == "out.jsonl.ahead"
+    other = {"id": "z", "conversations": [{"from": "human", "value": "something else"}, {"from": "gpt", "value": "y"}]}
+    ahead.write_text(json.dumps({"position": 1, "line": json.dumps(other)}) + "\n")
+    with pytest.raises(data.DataError, match=r"out\.jsonl\.ahead:1 \(record 2\) does not match input record .*in\.jsonl:2"):
+        run([src], tiny_target, out)
+    ahead.write_text('{"position": 1, "li\n')
+    with pytest.raises(data.DataError, match=r"out\.jsonl\.ahead:1: not a kept record .* delete"):
+        run([src], tiny_target, out)
+    assert not out.exists() or out.read_text() == ""
