@@ -343,11 +343,11 @@ def markdown_summary(result: dict) -> str:
             f"| {fmt(v['tau_cycles'], '.3f')} | {fmt(v['speedup'], '.2f')} | {fmt(v['mismatched_turns'], 'd')} |"
         )
     total = sum(result["histogram"]) or 1
-    speedup = "not measured" if result["speedup"] is None else f"{result['speedup']:.2f}x"
-    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, speedup {speedup} "
-              "(target-only seconds per token / speculative seconds per token, over the first "
-              f"{s.get('speedup_turns')} turns of each set ({result.get('speedup_turns')} in all), both decoded "
-              "in one process with no other decoding running)", "",
+    speedup = "speedup not measured" if result["speedup"] is None else (
+        f"speedup {result['speedup']:.2f}x (target-only seconds per token / speculative seconds per token, over "
+        f"the first {s.get('speedup_turns')} turns of each set ({result.get('speedup_turns')} in all), both "
+        "decoded in one process with no other decoding running)")
+    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, {speedup}", "",
               "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
               ""]
     return "\n".join(lines)
