@@ -52,6 +52,9 @@ ROLE_ALIASES = {
 }
 # Record layouts: the list field and the (role, content) keys of its entries.
 FORMATS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content")}
+# An assistant turn's optional flag (in either format): the response was cut at its token budget
+# (`data regenerate` writes it), so its end-of-turn token is not supervised.
+UNFINISHED = "unfinished"
 
 # Skip reasons are "<category>: <detail>"; these categories are sample-level drops (the record
 # itself was fine), every other category marks a bad record (what --strict refuses).
@@ -303,7 +306,16 @@ def parse_record(obj: Any, file: str, line: int) -> Record | Skip:
             content.encode("utf-8")
         except UnicodeEncodeError:
             return skip(f"invalid UTF-8: {where}.{content_key} holds an unpaired surrogate escape")
-        messages.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+        message = {"role": ROLE_ALIASES[role.lower()], "content": content}
+        unfinished = turn.get(UNFINISHED, False)
+        if not isinstance(unfinished, bool):
+            return skip(f"wrong type: {where}.{UNFINISHED} must be true or false, got {unfinished!r}")
+        if unfinished:
+            if message["role"] != "assistant":
+                return skip(f"wrong field: {where}.{UNFINISHED} marks a response cut at its budget; "
+                            f"a {message['role']} turn cannot have it")
+            message[UNFINISHED] = True
+        messages.append(message)
     messages = trim_conversation(messages)
     if not turns:
         return skip(f"no assistant turn: '{list_key}' is empty")
@@ -348,7 +360,9 @@ def supervised_spans(
     For assistant turn i, `prompt` renders messages[:i] with the generation prompt and `full`
     renders messages[:i+1]; the model's own output is the text `full` adds after `prompt`, up
     to and including the last special token in it (the end-of-turn token: `<|im_end|>`,
-    `<|eot_id|>`), or to its end if it has none. A template that rewrites earlier turns (Qwen3
+    `<|eot_id|>`), or to its end if it has none. A turn marked `unfinished` (regeneration's
+    mark for a response cut at its token budget) is supervised up to that token, not through it:
+    the target never chose to end there. A template that rewrites earlier turns (Qwen3
     drops reasoning from past assistant turns) gives turn i a different text in a later
     rendering; such a turn is supervised in a sample of its own rendering, where it is the
     last turn, instead of in its rewritten form. A template whose rendered turn does not start
@@ -373,7 +387,7 @@ def supervised_spans(
             for last in special.finditer(full, len(prompt)):
                 pass
             if last is not None:
-                end = last.end()
+                end = last.start() if messages[i].get(UNFINISHED) else last.end()
         rendered[i] = (full, len(prompt), end)
     samples = []
     uncovered = list(turns)

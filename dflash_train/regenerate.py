@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from dflash_train.control import StopFlag
-from dflash_train.data import FORMATS, DataError, Record, Skip, iter_records, nothing_usable, render
+from dflash_train.data import FORMATS, UNFINISHED, DataError, Record, Skip, iter_records, nothing_usable, render
 from dflash_train.errors import output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
 
@@ -53,7 +53,8 @@ def to_output(record: Record, messages: list[dict[str, str]]) -> dict[str, Any]:
     list_key, role_key, content_key = FORMATS[record.format]
     roles = OUTPUT_ROLES[record.format]
     out = {k: v for k, v in record.raw.items()}
-    out[list_key] = [{role_key: roles[m["role"]], content_key: m["content"]} for m in messages]
+    out[list_key] = [{role_key: roles[m["role"]], content_key: m["content"],
+                      **({UNFINISHED: True} if m.get(UNFINISHED) else {})} for m in messages]
     return out
 
 
@@ -266,8 +267,11 @@ class Conversation:
             self.cursor += 1
         return None if self.cursor == len(messages) else self.messages
 
-    def answer(self, text: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
+    def answer(self, text: str, stopped: bool = True) -> None:
+        """The turn's response; one that ended without the target's stop token (its budget ran
+        out) is marked unfinished, so that training does not supervise the end-of-turn token the
+        template closes it with."""
+        self.messages.append({"role": "assistant", "content": text, **({} if stopped else {UNFINISHED: True})})
         self.cursor += 1
         self.turn += 1
 
@@ -346,7 +350,7 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
             stats["num_turns"] += 1
             stats["num_unfinished"] += not stopped
             stats["num_empty"] += not text.strip()
-            active[position].answer(text)
+            active[position].answer(text, stopped)
             advance(active[position])
         if on_poll is not None:
             on_poll(next_out - first_position + len(finished) - beyond)

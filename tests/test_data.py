@@ -235,6 +235,35 @@ def test_trim_conversation():
     assert data.trim_conversation(m) == m[1:4]
 
 
+def test_an_unfinished_turn_is_supervised_up_to_its_end_token_not_through_it(tmp_path, smollm2_path, smollm2_tokenizer):
+    """A response cut at its budget (`"unfinished": true`, as regeneration marks it): its text is
+    supervised, the <|im_end|> the template closes it with is not; a finished turn keeps it."""
+    tok = smollm2_tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    record = {"conversations": [{"from": "human", "value": "Count."}, {"from": "gpt", "value": "1 2 3 4", "unfinished": True},
+                                {"from": "human", "value": "Again."}, {"from": "gpt", "value": "1 2 3"}]}
+    parsed = data.parse_record(record, "in.jsonl", 1)
+    assert parsed.messages[1] == {"role": "assistant", "content": "1 2 3 4", "unfinished": True}
+    assert "unfinished" not in parsed.messages[3]
+    [(ids, mask)] = data.tokenize_samples(tok, data.supervised_spans(tok, parsed.messages))
+    ends = [i for i, t in enumerate(ids) if t == end]  # system, user, assistant, user, assistant
+    assert len(ends) == 5
+    assert mask[ends[2]] == 0 and mask[ends[2] - 1] == 1  # the cut turn: its text, not its end
+    assert mask[ends[4]] == 1  # the finished one: through its end token
+    plain = data.parse_record({"conversations": [{k: v for k, v in t.items() if k != "unfinished"}
+                                                 for t in record["conversations"]]}, "in.jsonl", 2)
+    [(_, plain_mask)] = data.tokenize_samples(tok, data.supervised_spans(tok, plain.messages))
+    assert plain_mask.sum() == mask.sum() + 1
+
+    for turn, reason in [({"from": "gpt", "value": "x", "unfinished": "yes"},
+                          "wrong type: conversations[1].unfinished must be true or false, got 'yes'"),
+                         ({"from": "human", "value": "x", "unfinished": True},
+                          "wrong field: conversations[1].unfinished marks a response cut at its budget")]:
+        skipped = data.parse_record({"conversations": [{"from": "human", "value": "q"}, turn,
+                                                       {"from": "gpt", "value": "a"}]}, "in.jsonl", 3)
+        assert isinstance(skipped, data.Skip) and skipped.reason.startswith(reason), skipped
+
+
 # ---------------------------------------------------------------------------------------------
 # prepare
 

@@ -50,21 +50,27 @@ def run(paths, target, out, **kwargs):
     return regenerate.regenerate(paths, target, out, **{**settings, **kwargs})
 
 
-def greedy_reply(model, tokenizer, messages, max_new_tokens=6):
-    """One conversation, batch of one, no padding: the slow reference."""
+def greedy_turn(model, tokenizer, messages, max_new_tokens=6):
+    """One conversation, batch of one, no padding: the slow reference. (reply, whether it ended
+    on the stop token)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=2, eos_token_id=2)[0, ids.shape[1]:].tolist()
-    out = out[: out.index(2)] if 2 in out else out
-    return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    stopped = 2 in out
+    out = out[: out.index(2)] if stopped else out
+    return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False), stopped
+
+
+def greedy_reply(model, tokenizer, messages, max_new_tokens=6):
+    return greedy_turn(model, tokenizer, messages, max_new_tokens)[0]
 
 
 def test_turn_by_turn_matches_unbatched_reference(tmp_path, tiny_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)
-    run([src], tiny_target, tmp_path / "out.jsonl")
+    summary = run([src], tiny_target, tmp_path / "out.jsonl")
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -75,12 +81,17 @@ def test_turn_by_turn_matches_unbatched_reference(tmp_path, tiny_target):
         assert [turns[0]["value"], turns[2]["value"]] == [record["conversations"][0]["value"],
                                                           record["conversations"][2]["value"]]
         context = [{"role": "user", "content": turns[0]["value"]}]
-        first = greedy_reply(model, tokenizer, context)
+        first, first_stopped = greedy_turn(model, tokenizer, context)
         # The second reply sees the regenerated first reply, not the original one.
-        second = greedy_reply(model, tokenizer, context + [{"role": "assistant", "content": first},
-                                                           {"role": "user", "content": turns[2]["value"]}])
+        second, second_stopped = greedy_turn(model, tokenizer, context + [{"role": "assistant", "content": first},
+                                                                          {"role": "user", "content": turns[2]["value"]}])
         assert [turns[1]["value"], turns[3]["value"]] == [first, second]
         assert first != "old answer"
+        # A reply cut at the budget is marked so; one that ended on the stop token is not.
+        assert [turns[1].get("unfinished", False), turns[3].get("unfinished", False)] == \
+            [not first_stopped, not second_stopped]
+    marked = sum(t.get("unfinished", False) for line in lines for t in line["conversations"])
+    assert marked == summary["num_unfinished"] > 0
 
 
 def test_openai_format_kept(tmp_path, tiny_target):
