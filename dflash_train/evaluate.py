@@ -131,6 +131,43 @@ def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# --------------------------------------------------------------------------- loops
+
+# A small target's greedy replies often end in a loop (the same few tokens until the budget runs
+# out); a drafter accepts far more there, so a set's tau depends on how many of its turns loop.
+LOOP_REPEATS = 3  # periods the tail must hold
+LOOP_MIN_TOKENS = 32  # and at least this many tokens
+
+
+def loop_period(ids) -> int | None:
+    """The period of the loop a turn's output ends in: the smallest p such that its last
+    max(LOOP_REPEATS * p, LOOP_MIN_TOKENS) ids repeat with period p; None when it ends in none
+    (a turn that ended on its stop token does not)."""
+    import numpy as np
+
+    a = np.asarray(ids)
+    n = len(a)
+    for p in range(1, n // LOOP_REPEATS + 1):
+        span = max(LOOP_REPEATS * p, LOOP_MIN_TOKENS)
+        if span > n:
+            break
+        tail = a[n - span:]
+        if np.array_equal(tail[p:], tail[:-p]):
+            return p
+    return None
+
+
+def loop_fields(turns: list[list[int]], outputs: list[list[int]]) -> dict:
+    """How many turns end in a loop (loop_period of their output ids) and tau over cycles on
+    those turns and on the others (None where there is no such turn)."""
+    looped = [loop_period(o) is not None for o in outputs]
+    loop = [n for t, hit in zip(turns, looped) if hit for n in t]
+    other = [n for t, hit in zip(turns, looped) if not hit for n in t]
+    return {"loop_turns": sum(looped),
+            "loop_tau_cycles": specdec.mean_acceptance(loop) if loop else None,
+            "other_tau_cycles": specdec.mean_acceptance(other) if other else None}
+
+
 # --------------------------------------------------------------------------- running a set
 
 
@@ -197,6 +234,8 @@ class SetResult:
             **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens),
             "speedup_turns": self.timed_turns,
             "mismatched_turns": self.mismatched_turns if self.checked else None,
+            **(loop_fields(self.turns(), [o for p in self.prompts for o in p["output_ids"]])
+               if all("output_ids" in p for p in self.prompts) else {}),
         }
 
 
@@ -350,6 +389,12 @@ def markdown_summary(result: dict) -> str:
     lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, {speedup}", "",
               "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
               ""]
+    loops = [f"{name} {v['loop_turns']} of {v['num_turns']} (tau over cycles {fmt(v['loop_tau_cycles'], '.3f')} "
+             f"there, {fmt(v['other_tau_cycles'], '.3f')} elsewhere)"
+             for name, v in result["per_set"].items() if "loop_turns" in v]
+    if loops:
+        lines += [f"Turns ending in a loop (their last {LOOP_REPEATS} periods, at least {LOOP_MIN_TOKENS} tokens, "
+                  "repeat): " + "; ".join(loops), ""]
     return "\n".join(lines)
 
 

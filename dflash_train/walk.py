@@ -327,10 +327,12 @@ def evaluate_walk(target: str, drafter: str, paths: list[str], *, limit: int | N
             result = walker(draft)
             sources = dataset["source"] if "source" in dataset.column_names else None
             walked = SetResult(name, result.block_size)
-            for i in range(len(dataset)):
+            for i, (ids, mask) in enumerate(zip(dataset["input_ids"], dataset["loss_mask"])):
                 turns = result.turns[i]
+                replies = [ids[a : b + 1] for a, b in response_spans(np.asarray(mask))]  # what each turn walked
                 walked.add_record({"id": sources[i] if sources else str(i), "set": name,
-                                   "tau": specdec.turn_mean_tau(turns), "acceptance_lengths": turns}, [])
+                                   "tau": specdec.turn_mean_tau(turns), "acceptance_lengths": turns,
+                                   "output_ids": replies}, [])
             walked.new_tokens = sum(sum(t) + 1 for t in result.all_turns())  # the response tokens walked
             sets.append(walked)
             results.append(result)

@@ -154,6 +154,31 @@ def test_combine_reports_the_papers_tau():
     assert doc["histogram"] == [2, 3, 0, 1]
 
 
+def test_loop_period_finds_the_loop_a_turn_ends_in():
+    prose = list(range(100, 140))  # 40 distinct ids
+    assert evaluate.loop_period(prose + [7] * 32) == 1
+    assert evaluate.loop_period(prose + [1, 2, 3, 4, 5] * 7) == 5  # 35 ids: 3 periods and >= 32 tokens
+    assert evaluate.loop_period(prose + [1, 2, 3, 4, 5] * 6) is None  # 30 ids: under 32
+    assert evaluate.loop_period(prose + list(range(40)) * 3) == 40  # a sentence said three times
+    assert evaluate.loop_period(prose + list(range(40)) * 2) is None  # twice is not a loop
+    assert evaluate.loop_period(prose + [7] * 32 + [2]) is None  # it ended on a stop token
+    assert evaluate.loop_period([7] * 31) is None and evaluate.loop_period([]) is None
+    assert evaluate.loop_period(prose) is None
+
+
+def test_sets_report_tau_on_looping_turns_apart():
+    looping, plain = list(range(50)) + [9] * 40, list(range(60))
+    result = evaluate.SetResult("s", 16, prompts=[
+        {"acceptance_lengths": [[16, 16, 16, 16, 16, 10], [2, 1, 3]], "output_ids": [looping, plain]},
+        {"acceptance_lengths": [[1, 1]], "output_ids": [plain[:3]]}])
+    summary = result.summary()
+    assert summary["loop_turns"] == 1
+    assert summary["loop_tau_cycles"] == 90 / 6 and summary["other_tau_cycles"] == 8 / 5
+    text = evaluate.markdown_summary(evaluate.combine([result], {"temperature": 0.0, "max_new_tokens": 90}))
+    assert "Turns ending in a loop" in text and "s 1 of 3 (tau over cycles 15.000 there, 1.600 elsewhere)" in text
+    assert "loop_turns" not in evaluate.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
+
+
 def test_eval_command_writes_json_markdown_and_png(tiny_setup, tmp_path, capsys):
     _, _, _, folder = tiny_setup
     prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]}])

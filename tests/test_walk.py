@@ -367,6 +367,9 @@ def test_eval_walk_writes_the_eval_layout_and_refuses_data_without_assistant_tur
     assert sum(doc["histogram"]) == walked["num_cycles"] and {"loss", "acc_per_position"} <= set(walked)
     assert [p["id"] for p in doc["prompts"]] == [f"{chats}:1", f"{chats}:2"]
     assert [len(p["acceptance_lengths"]) for p in doc["prompts"]] == [2, 1]
+    for p in doc["prompts"]:  # each turn's walked reply: its first token (the prefill's) + what the cycles committed
+        assert [len(o) for o in p["output_ids"]] == [sum(t) + 1 for t in p["acceptance_lengths"]]
+    assert walked["loop_turns"] == 0 and walked["other_tau_cycles"] == walked["tau_cycles"]
     assert (tmp_path / "walk.md").is_file() and (tmp_path / "walk.png").is_file()
     capsys.readouterr()
 
