@@ -165,13 +165,13 @@ class Responder(Protocol):
     """What regeneration asks for answers. `submit` hands over one turn's prompt (rendered text
     and its token ids) under a key; `poll` waits until at least one submitted turn is answered
     (returns [] when none is in flight) and returns (key, answer text without the stop token,
-    finished on a stop token)."""
+    finished on a stop token, the answer's token ids)."""
 
     capacity: int  # turns worth having in flight at once
 
     def submit(self, key, text: str, ids: list[int], seed: int) -> None: ...
 
-    def poll(self) -> list[tuple[Any, str, bool]]: ...
+    def poll(self) -> list[tuple[Any, str, bool, list[int]]]: ...
 
 
 class LocalResponder:
@@ -200,15 +200,15 @@ class LocalResponder:
     def submit(self, key, text: str, ids: list[int], seed: int) -> None:
         self.slots.add(key, ids, self.max_new_tokens, seed)
 
-    def poll(self) -> list[tuple[Any, str, bool]]:
+    def poll(self) -> list[tuple[Any, str, bool, list[int]]]:
         while self.slots.busy:
             done = self.slots.step()
             if done:
                 began = time.perf_counter()
-                texts = self.tokenizer.batch_decode([f.output_ids[:-1] if f.stopped else f.output_ids for f in done],
-                                                    skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                answers = [f.output_ids[:-1] if f.stopped else f.output_ids for f in done]
+                texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 self.text_seconds += time.perf_counter() - began
-                return [(f.key, text, f.stopped) for f, text in zip(done, texts)]
+                return [(f.key, text, f.stopped, ids) for f, text, ids in zip(done, texts, answers)]
         return []
 
 
@@ -232,7 +232,7 @@ class ServerResponder:
                                   self.top_p, seed)
         self.futures[future] = key
 
-    def poll(self) -> list[tuple[Any, str, bool]]:
+    def poll(self) -> list[tuple[Any, str, bool, list[int]]]:
         """The requests that completed; a ServerError (the server named) once one failed."""
         from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -243,8 +243,9 @@ class ServerResponder:
         for future in done:
             key = self.futures.pop(future)
             text, finished = future.result()
-            self.generated_tokens += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            out.append((key, text, finished))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.generated_tokens += len(ids)
+            out.append((key, text, finished, ids))
         return out
 
 
@@ -279,7 +280,7 @@ class Conversation:
         return json.dumps(to_output(self.record, self.messages), ensure_ascii=False) + "\n"
 
 
-CHUNK_STATS = ("num_turns", "num_unfinished", "num_empty", "num_cut", "num_template_errors")
+CHUNK_STATS = ("num_turns", "num_unfinished", "num_looping", "num_empty", "num_cut", "num_template_errors")
 # Host seconds of the scheduler's own work, outside the engine's steps: rendering and tokenizing
 # each next prompt (prompt_s), and turning each finished turn's ids into text (text_s).
 HOST_STATS = ("prompt_s", "text_s")
@@ -300,6 +301,8 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     `finished` (position -> output line), when given, is the caller's store of records done but
     not yet yielded: records already in it (kept by a stopped run) are not regenerated, and
     whatever it holds when the stream stops early is what the caller keeps (`keep_ahead`)."""
+    from dflash_train.evaluate import loop_period
+
     window = max(1, int(settings.get("window") or 2 * responder.capacity))
     waiting = deque(enumerate(records, start=first_position))
     active: dict[int, Conversation] = {}
@@ -346,9 +349,10 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
         text_before = getattr(responder, "text_seconds", 0.0)
         answered = responder.poll() if active else []
         stats["text_s"] += getattr(responder, "text_seconds", 0.0) - text_before
-        for position, text, stopped in answered:
+        for position, text, stopped, ids in answered:
             stats["num_turns"] += 1
             stats["num_unfinished"] += not stopped
+            stats["num_looping"] += not stopped and loop_period(ids) is not None  # ends in a loop (eval's rule)
             stats["num_empty"] += not text.strip()
             active[position].answer(text, stopped)
             advance(active[position])

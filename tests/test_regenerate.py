@@ -320,3 +320,36 @@ def test_an_ahead_file_from_other_input_or_damaged_is_refused(tmp_path, tiny_tar
     with pytest.raises(data.DataError, match=r"out\.jsonl\.ahead:1: not a kept record .* delete"):
         run([src], tiny_target, out)
     assert not out.exists() or out.read_text() == ""
+
+
+def test_turns_that_end_in_a_loop_are_counted(smollm2_tokenizer):
+    """`num_looping`: answers cut at the budget whose ids end in a loop (evaluate.loop_period),
+    counted from the ids the responder returns; a looping answer that still ended on its stop
+    token is not one."""
+
+    class Scripted:
+        capacity = 4
+
+        def __init__(self):
+            self.asked = []
+
+        def submit(self, key, text, ids, seed):
+            self.asked.append(key)
+
+        def poll(self):
+            out = []
+            for key in self.asked:
+                looping = [5, 6, 7] * 20
+                answer = {0: (looping, False), 1: (looping, True), 2: (list(range(100, 160)), False)}[key]
+                out.append((key, "a reply", answer[1], answer[0]))
+            self.asked = []
+            return out
+
+    records = [data.parse_record({"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "x"}]},
+                                 "in.jsonl", i + 1) for i in range(3)]
+    stats = {**dict.fromkeys(regenerate.CHUNK_STATS, 0), **dict.fromkeys(regenerate.HOST_STATS, 0.0)}
+    lines = list(regenerate.regenerate_stream(Scripted(), smollm2_tokenizer, records, 0, {"max_prompt_length": 100, "seed": 0},
+                                              stats))
+    assert len(lines) == 3 and stats["num_turns"] == 3
+    assert (stats["num_unfinished"], stats["num_looping"]) == (2, 1)
+    assert [json.loads(line)["conversations"][1].get("unfinished", False) for line in lines] == [True, False, True]
