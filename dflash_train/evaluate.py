@@ -147,7 +147,11 @@ def loop_period(ids) -> int | None:
 
     a = np.asarray(ids)
     n = len(a)
-    for p in range(1, n // LOOP_REPEATS + 1):
+    if n < LOOP_MIN_TOKENS:
+        return None
+    # Only periods whose last two copies agree at the end can hold: a[n-1] == a[n-1-p].
+    candidates = np.flatnonzero(a[n - 2 :: -1][: n // LOOP_REPEATS] == a[n - 1]) + 1
+    for p in candidates.tolist():
         span = max(LOOP_REPEATS * p, LOOP_MIN_TOKENS)
         if span > n:
             break

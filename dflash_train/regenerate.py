@@ -313,36 +313,43 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     for key in HOST_STATS:
         stats.setdefault(key, 0.0)
 
-    def advance(conv: Conversation) -> None:
-        """Submit the conversation's next turn, or finish it."""
-        prompt = conv.next_prompt()
-        if prompt is not None:
-            began = time.perf_counter()
-            try:
-                text = render(tokenizer, prompt, generation_prompt=True)
-            except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
-                stats["num_template_errors"] += 1
-                prompt = None
-            else:
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            stats["prompt_s"] += time.perf_counter() - began
-            if prompt is not None:
-                if len(ids) > settings["max_prompt_length"]:
-                    stats["num_cut"] += 1  # the rest of this conversation is dropped
-                    prompt = None
-                else:
-                    responder.submit(conv.position, text, ids, turn_seed(settings["seed"], conv.position, conv.turn))
-                    return
+    def finish(conv: Conversation) -> None:
         del active[conv.position]
         finished[conv.position] = conv.line()
 
+    def advance(convs: list[Conversation]) -> None:
+        """Submit each conversation's next turn, or finish it. The prompts are tokenized in one
+        call (the tokenizer spreads a batch over its threads)."""
+        began = time.perf_counter()
+        rendered = []
+        for conv in convs:
+            prompt = conv.next_prompt()
+            if prompt is None:
+                finish(conv)
+                continue
+            try:
+                rendered.append((conv, render(tokenizer, prompt, generation_prompt=True)))
+            except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
+                stats["num_template_errors"] += 1
+                finish(conv)
+        encoded = tokenizer([text for _, text in rendered], add_special_tokens=False)["input_ids"] if rendered else []
+        stats["prompt_s"] += time.perf_counter() - began
+        for (conv, text), ids in zip(rendered, encoded):
+            if len(ids) > settings["max_prompt_length"]:
+                stats["num_cut"] += 1  # the rest of this conversation is dropped
+                finish(conv)
+            else:
+                responder.submit(conv.position, text, ids, turn_seed(settings["seed"], conv.position, conv.turn))
+
     while waiting or active:
+        joining = []
         while waiting and len(active) < window:
             position, record = waiting.popleft()
             if position in finished:  # kept by a stopped run
                 continue
             active[position] = Conversation(position, record)
-            advance(active[position])
+            joining.append(active[position])
+        advance(joining)
         while next_out < end and next_out in finished:
             yield finished.pop(next_out)
             next_out += 1
@@ -355,7 +362,7 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
             stats["num_looping"] += not stopped and loop_period(ids) is not None  # ends in a loop (eval's rule)
             stats["num_empty"] += not text.strip()
             active[position].answer(text, stopped)
-            advance(active[position])
+        advance([active[position] for position, *_ in answered])
         if on_poll is not None:
             on_poll(next_out - first_position + len(finished) - beyond)
     while next_out < end and next_out in finished:

@@ -5,6 +5,7 @@ trained a few steps with in-training evaluation, exported, loaded back and evalu
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -164,6 +165,20 @@ def test_loop_period_finds_the_loop_a_turn_ends_in():
     assert evaluate.loop_period(prose + [7] * 32 + [2]) is None  # it ended on a stop token
     assert evaluate.loop_period([7] * 31) is None and evaluate.loop_period([]) is None
     assert evaluate.loop_period(prose) is None
+
+    def plain(ids):  # the definition, period by period
+        for p in range(1, len(ids) // 3 + 1):
+            span = max(3 * p, 32)
+            if span <= len(ids) and ids[-span:][p:] == ids[-span:][:-p]:
+                return p
+        return None
+
+    rng = random.Random(0)
+    for _ in range(500):
+        pattern = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        ids = [rng.randrange(5) for _ in range(rng.randrange(60))] + pattern * rng.randrange(8) \
+            + [rng.randrange(3) for _ in range(rng.randrange(3))]
+        assert evaluate.loop_period(ids) == plain(ids), ids
 
 
 def test_sets_report_tau_on_looping_turns_apart():
