@@ -115,6 +115,11 @@ class ObjectiveSection:
     alone; dpace_continuation = w_k / (s_1...s_k)."""
     dpace_alpha: float = 0.5
     """D-PACE confidence smoothing in [0, 1] (1: every s_j = 1, the weights ignore confidence)."""
+    loop_tails: Literal["supervise", "skip"] = "supervise"
+    """Replies that end in a loop (data.loop_period: a small target's greedy replies cut at
+    their budget often do): supervise every token (the paper), or skip the loop past its first
+    3 periods in training samples (the tokens stay as context; the validation split keeps every
+    token, so walked tau still measures what serving sees)."""
     noise: Literal["uniform", "gaussian", "none"] = "uniform"
     noise_std: float = 0.05
     """Noise on captured target features during training (U[-std, std] or N(0, std^2))."""

@@ -420,6 +420,72 @@ def tokenize_samples(
     return out
 
 
+def response_spans(mask_L: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) position of every maximal run of supervised positions: the turns."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask_L, dtype=np.int8), [0]])))
+    return [(int(a), int(b) - 1) for a, b in edges.reshape(-1, 2)]
+
+
+# A small target's greedy replies often end in a loop (the same few tokens until the budget runs
+# out); a drafter accepts far more there, so a set's tau depends on how many of its turns loop.
+LOOP_REPEATS = 3  # periods the tail must hold
+LOOP_MIN_TOKENS = 32  # and at least this many tokens
+
+
+def loop_period(ids) -> int | None:
+    """The period of the loop a turn's output ends in: the smallest p such that its last
+    max(LOOP_REPEATS * p, LOOP_MIN_TOKENS) ids repeat with period p; None when it ends in none
+    (a turn that ended on its stop token does not)."""
+    a = np.asarray(ids)
+    n = len(a)
+    if n < LOOP_MIN_TOKENS:
+        return None
+    # Only periods whose last two copies agree at the end can hold: a[n-1] == a[n-1-p].
+    candidates = np.flatnonzero(a[n - 2 :: -1][: n // LOOP_REPEATS] == a[n - 1]) + 1
+    for p in candidates.tolist():
+        span = max(LOOP_REPEATS * p, LOOP_MIN_TOKENS)
+        if span > n:
+            break
+        tail = a[n - span:]
+        if np.array_equal(tail[p:], tail[:-p]):
+            return p
+    return None
+
+
+def loop_tail_start(ids) -> int | None:
+    """Where the part of a reply past the first LOOP_REPEATS periods of the loop it ends in
+    begins (an index into `ids`; len(ids) when nothing lies past them); None without a loop."""
+    p = loop_period(ids)
+    if p is None:
+        return None
+    a = np.asarray(ids)
+    breaks = np.flatnonzero(a[:-p] != a[p:])  # a[j] != a[j + p]: the periodic tail starts after the last
+    start = int(breaks[-1]) + 1 if len(breaks) else 0
+    return start + LOOP_REPEATS * p
+
+
+def skip_loop_tails(ids, mask) -> tuple[np.ndarray, int]:
+    """`mask` (uint8) with each reply's loop tail unsupervised (objective.loop_tails=skip): in a
+    reply (a run of supervised positions) that ends in a loop, or in a loop and one closing token
+    (data written before regeneration marked cut replies supervises the template's end-of-turn
+    token), the positions past the loop's first LOOP_REPEATS periods; a closing token stays
+    supervised. The tokens stay in the sequence as context. Returns the new mask and how many
+    positions it unsupervised."""
+    out = np.array(mask, dtype=np.uint8)
+    ids = np.asarray(ids)
+    cut = 0
+    for first, last in response_spans(out):
+        end = last + 1
+        start = loop_tail_start(ids[first:end])
+        if start is None:  # a loop closed by one token (an end-of-turn token): the loop goes, the token stays
+            end = last
+            start = loop_tail_start(ids[first:end])
+        if start is not None and first + start < end:
+            out[first + start : end] = 0
+            cut += end - first - start
+    return out, cut
+
+
 def has_adjacent_pair(mask: np.ndarray) -> bool:
     """At least two neighbouring supervised tokens: an anchor with a target after it."""
     return bool(np.any(mask[1:] & mask[:-1]))

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash_train import specdec
+from dflash_train.data import LOOP_MIN_TOKENS, LOOP_REPEATS, loop_period
 from dflash_train.config import PROMPT_SETS
 from dflash_train.errors import InputError, output_file_problem, problems_of
 from dflash_train.target import load_target_model, resolve_device, resolve_dtype, resolve_target_path
@@ -132,34 +133,6 @@ def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 # --------------------------------------------------------------------------- loops
-
-# A small target's greedy replies often end in a loop (the same few tokens until the budget runs
-# out); a drafter accepts far more there, so a set's tau depends on how many of its turns loop.
-LOOP_REPEATS = 3  # periods the tail must hold
-LOOP_MIN_TOKENS = 32  # and at least this many tokens
-
-
-def loop_period(ids) -> int | None:
-    """The period of the loop a turn's output ends in: the smallest p such that its last
-    max(LOOP_REPEATS * p, LOOP_MIN_TOKENS) ids repeat with period p; None when it ends in none
-    (a turn that ended on its stop token does not)."""
-    import numpy as np
-
-    a = np.asarray(ids)
-    n = len(a)
-    if n < LOOP_MIN_TOKENS:
-        return None
-    # Only periods whose last two copies agree at the end can hold: a[n-1] == a[n-1-p].
-    candidates = np.flatnonzero(a[n - 2 :: -1][: n // LOOP_REPEATS] == a[n - 1]) + 1
-    for p in candidates.tolist():
-        span = max(LOOP_REPEATS * p, LOOP_MIN_TOKENS)
-        if span > n:
-            break
-        tail = a[n - span:]
-        if np.array_equal(tail[p:], tail[:-p]):
-            return p
-    return None
-
 
 def loop_fields(turns: list[list[int]], outputs: list[list[int]]) -> dict:
     """How many turns end in a loop (loop_period of their output ids) and tau over cycles on

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from dflash_train.control import StopFlag
-from dflash_train.data import FORMATS, UNFINISHED, DataError, Record, Skip, iter_records, nothing_usable, render
+from dflash_train.data import (FORMATS, UNFINISHED, DataError, Record, Skip, iter_records, loop_period, nothing_usable,
+                               render)
 from dflash_train.errors import output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
 
@@ -301,8 +302,6 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     `finished` (position -> output line), when given, is the caller's store of records done but
     not yet yielded: records already in it (kept by a stopped run) are not regenerated, and
     whatever it holds when the stream stops early is what the caller keeps (`keep_ahead`)."""
-    from dflash_train.evaluate import loop_period
-
     window = max(1, int(settings.get("window") or 2 * responder.capacity))
     waiting = deque(enumerate(records, start=first_position))
     active: dict[int, Conversation] = {}

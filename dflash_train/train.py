@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from dflash_train.batching import BatchPlan, BatchStream
@@ -116,7 +117,32 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
             f"validation (data.validation={cfg.data.validation:g}; {measured}), {len(dataset)} samples for training")
     if limit and cfg.data.limit is not None and cfg.data.limit < len(dataset):
         dataset = dataset.select(range(cfg.data.limit))
+    if cfg.objective.loop_tails == "skip":
+        dataset = skip_loop_tails(dataset, log)
     return dataset, validation
+
+
+def skip_loop_tails(dataset, log=print):
+    """objective.loop_tails=skip: the training samples' loss masks without their replies' loop
+    tails (data.skip_loop_tails), in memory; the log line says how much that unsupervised."""
+    from dflash_train import data
+
+    counts = {"cut": 0, "before": 0}
+
+    def cut(batch):
+        masks = []
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+            new, n = data.skip_loop_tails(ids, mask)
+            counts["cut"] += n
+            counts["before"] += int(np.sum(mask))
+            masks.append(new.tolist())
+        return {"loss_mask": masks}
+
+    dataset = dataset.map(cut, batched=True, keep_in_memory=True, load_from_cache_file=False, features=dataset.features)
+    share = counts["cut"] / max(1, counts["before"])
+    log(f"data: objective.loop_tails=skip: {counts['cut']} of {counts['before']} supervised tokens ({100 * share:.1f}%) "
+        "lie in loops past their first 3 periods and are not supervised")
+    return dataset
 
 
 VALIDATION_FILE = "validation.jsonl"

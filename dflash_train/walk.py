@@ -46,6 +46,7 @@ import torch
 from dflash_train import specdec
 from dflash_train.batching import BatchPlan, BatchStream, quantile_boundaries
 from dflash_train.config import DEFAULT_GAMMA, DataSection, ObjectiveSection
+from dflash_train.data import response_spans
 from dflash_train.errors import InputError
 from dflash_train.loss import accepted_run_length, hard_chunk_loss, position_weights
 from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, padded_anchor_count, sample_anchors,
@@ -60,12 +61,6 @@ DENSE_MASK_ENTRIES = 1 << 22
 
 
 # --------------------------------------------------------------------------- the walk
-
-
-def response_spans(mask_L: np.ndarray) -> list[tuple[int, int]]:
-    """(first, last) position of every maximal run of supervised positions: the turns."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask_L, dtype=np.int8), [0]])))
-    return [(int(a), int(b) - 1) for a, b in edges.reshape(-1, 2)]
 
 
 def walk_turn(run_L: np.ndarray, first: int, last: int) -> list[int]:

@@ -230,3 +230,39 @@ def test_objective_options_train_finite_and_resume_exactly(options, tmp_path, ca
     assert cli.main(args) == 0
     assert f"resuming from {tmp_path / 'checkpoints' / 'step-2'}" in capsys.readouterr().out
     assert losses(tmp_path) == uninterrupted
+
+
+def test_loop_tails_skip_unsupervises_training_loops_past_three_periods_and_keeps_validation(tmp_path):
+    """objective.loop_tails=skip: a training reply that ends in a loop (or in a loop and one
+    closing token) keeps its text and the loop's first 3 periods supervised (and the closing
+    token), the rest of the loop stays as context but unsupervised; a reply without a loop and
+    the validation split are untouched."""
+    import numpy as np
+    from datasets import Dataset
+
+    from dflash_train import data
+    from dflash_train.train import split_data
+
+    prose = list(range(100, 140))
+    looping = [1, 9, 9] + prose + [5, 6, 7] * 20  # prompt (3) + reply: 40 prose + a loop of period 3
+    closed = looping + [2]  # the same reply closed by an end token
+    plain = [1, 9, 9] + list(range(200, 290))
+    rows = [looping, closed, plain] * 4
+    masks = [[0] * 3 + [1] * (len(r) - 3) for r in rows]
+    dataset = Dataset.from_dict({"input_ids": rows, "loss_mask": masks, "length": [len(r) for r in rows],
+                                 "conversation": [f"c{i}" for i in range(len(rows))],
+                                 "source": [f"f:{i}" for i in range(len(rows))]})
+    expected = {len(looping): list(range(3, 52)), len(closed): list(range(3, 52)) + [len(closed) - 1],
+                len(plain): list(range(3, len(plain)))}
+    lines = []
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "objective.loop_tails=skip", "data.validation=2"])
+    train, validation = split_data(cfg, dataset, log=lines.append)
+    for row in train:
+        assert np.flatnonzero(row["loss_mask"]).tolist() == expected[len(row["input_ids"])]
+    assert all(sum(row["loss_mask"]) == len(row["input_ids"]) - 3 for row in validation)
+    looped = sum(len(row["input_ids"]) != len(plain) for row in train)
+    assert any(f"objective.loop_tails=skip: {51 * looped} of " in line for line in lines), lines
+    assert train.features == dataset.features
+    assert data.skip_loop_tails(looping, masks[0])[1] == 51
+    kept, _ = split_data(load_config(TINY, [f"output_dir={tmp_path}", "data.validation=2"]), dataset, log=lambda *_: None)
+    assert all(sum(row["loss_mask"]) == len(row["input_ids"]) - 3 for row in kept)
