@@ -276,13 +276,11 @@ def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, 
     assert all(torch.equal(served[k], saved[k]) for k in served)
 
 
-def test_the_last_step_is_walked_and_can_be_the_best_one(tmp_path, regenerated, monkeypatch):
-    """A run of 9 steps with eval.every=2 walks steps 2, 4, 6, 8 and its last step 9 (off the
-    cadence); scripted so that step 9 is the best, it is the one exported. A time box that ends a
-    run after its first step walks that step."""
+def _script_walks(monkeypatch, taus):
+    """The run's validation walks return these walked taus, one per evaluation, in order."""
     from dflash_train import train as train_module
 
-    scripted = iter([1.5, 2.0, 2.1, 2.2, 2.6])
+    scripted = iter(taus)
 
     class Scripted:
         def __call__(self, drafter):
@@ -292,6 +290,13 @@ def test_the_last_step_is_walked_and_can_be_the_best_one(tmp_path, regenerated, 
             return {"walked_tau": next(scripted)}
 
     monkeypatch.setattr(train_module, "validation_walker", lambda run: Scripted())
+
+
+def test_the_last_step_is_walked_and_can_be_the_best_one(tmp_path, regenerated, monkeypatch):
+    """A run of 9 steps with eval.every=2 walks steps 2, 4, 6, 8 and its last step 9 (off the
+    cadence); scripted so that step 9 is the best, it is the one exported. A time box that ends a
+    run after its first step walks that step."""
+    _script_walks(monkeypatch, [1.5, 2.0, 2.1, 2.2, 2.6])
     run = _validated_run(tmp_path / "a", regenerated, steps=9)
     exported = train_drafter(run)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -302,8 +307,7 @@ def test_the_last_step_is_walked_and_can_be_the_best_one(tmp_path, regenerated, 
     served = load_file(str(exported / "model.safetensors"))
     assert all(torch.equal(served[k].float(), live[k]) for k in served)
 
-    monkeypatch.setattr(train_module, "validation_walker", lambda run: Scripted())
-    scripted = iter([1.25])
+    _script_walks(monkeypatch, [1.25])
     train_drafter(_validated_run(tmp_path / "b", regenerated, "train.max_time_s=1e-9"))
     records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r.get("walked_tau")) for r in records] == [(1, 1.25)]
@@ -313,18 +317,7 @@ def test_keep_best_picks_the_best_step_and_a_resumed_run_remembers_it(tmp_path, 
     """Scripted walked taus 1.5, 2.5, 2.0, 2.5 at steps 2, 4, 6, 8: step 4 is the best (a tie
     keeps the earlier step), its checkpoint outlives keep=1, and its weights are exported; a
     run resumed to step 10 (tau 2.4 there) still exports step 4."""
-    from dflash_train import train as train_module
-
-    scripted = iter([1.5, 2.5, 2.0, 2.5, 2.4])
-
-    class Scripted:
-        def __call__(self, drafter):
-            return self
-
-        def record(self):
-            return {"walked_tau": next(scripted)}
-
-    monkeypatch.setattr(train_module, "validation_walker", lambda run: Scripted())
+    _script_walks(monkeypatch, [1.5, 2.5, 2.0, 2.5, 2.4])
     train_drafter(_validated_run(tmp_path, regenerated))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4", "step-8"]
     assert "step 4: best walked tau so far, 2.500; its checkpoint is kept" in capsys.readouterr().out
