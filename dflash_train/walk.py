@@ -167,10 +167,12 @@ def anchor_runs(drafter, heads, shipment, *, attention: str, autocast=None, gamm
 
 @dataclass
 class WalkResult:
-    """The walk of a set of samples: per sample, the acceptance lengths of each of its turns."""
+    """The walk of a set of samples: per sample, the acceptance lengths of each of its turns and
+    the turns' replies (their supervised token ids)."""
 
     block_size: int
     turns: dict[int, list[list[int]]] = field(default_factory=dict)
+    replies: dict[int, list[list[int]]] = field(default_factory=dict)
     loss_sum: float = 0.0
     weight_sum: float = 0.0
     correct_K: np.ndarray | None = None
@@ -180,10 +182,12 @@ class WalkResult:
     def add(self, indices: list[int], shipment, runs: AnchorRuns) -> None:
         """The samples of one packed row (documents in batch order, `indices` their rows)."""
         mask_T = shipment.loss_mask_T[: shipment.num_tokens].cpu().numpy()
+        ids_T = shipment.input_ids_T[: shipment.num_tokens].cpu().tolist()
         start = 0
         for index, length in zip(indices, shipment.doc_lengths.tolist()):
             spans = response_spans(mask_T[start : start + length])
             self.turns[index] = [walk_turn(runs.run_T, start + a, start + b) for a, b in spans]
+            self.replies[index] = [ids_T[start + a : start + b + 1] for a, b in spans]
             start += length
         self.loss_sum += runs.loss_sum
         self.weight_sum += runs.weight_sum
@@ -192,6 +196,9 @@ class WalkResult:
 
     def all_turns(self) -> list[list[int]]:
         return [t for i in sorted(self.turns) for t in self.turns[i]]
+
+    def all_replies(self) -> list[list[int]]:
+        return [r for i in sorted(self.replies) for r in self.replies[i]]
 
     def lengths(self) -> list[int]:
         return [n for t in self.all_turns() for n in t]
@@ -210,12 +217,16 @@ class WalkResult:
 
     def record(self) -> dict:
         """The fields a training log step adds (metrics.jsonl), walked tau first."""
+        from dflash_train.evaluate import loop_fields
+
         lengths = self.lengths()
+        loops = loop_fields(self.all_turns(), self.all_replies())
         return {
             "walked_tau": self.tau,
             "walked_tau_cycles": specdec.mean_acceptance(lengths),
             "walked_histogram": specdec.acceptance_histogram(lengths, self.block_size),
             "walked_turns": sum(1 for t in self.all_turns() if t),
+            **{f"walked_{k}": v for k, v in loops.items()},
             "val_loss": self.loss,
             "val_acc_per_position": self.acc_per_position(),
             "walk_s": round(self.seconds, 3),
@@ -322,12 +333,11 @@ def evaluate_walk(target: str, drafter: str, paths: list[str], *, limit: int | N
             result = walker(draft)
             sources = dataset["source"] if "source" in dataset.column_names else None
             walked = SetResult(name, result.block_size)
-            for i, (ids, mask) in enumerate(zip(dataset["input_ids"], dataset["loss_mask"])):
+            for i in range(len(dataset)):
                 turns = result.turns[i]
-                replies = [ids[a : b + 1] for a, b in response_spans(np.asarray(mask))]  # what each turn walked
                 walked.add_record({"id": sources[i] if sources else str(i), "set": name,
                                    "tau": specdec.turn_mean_tau(turns), "acceptance_lengths": turns,
-                                   "output_ids": replies}, [])
+                                   "output_ids": result.replies[i]}, [])
             walked.new_tokens = sum(sum(t) + 1 for t in result.all_turns())  # the response tokens walked
             sets.append(walked)
             results.append(result)

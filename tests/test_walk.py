@@ -262,7 +262,8 @@ def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, 
     for r in records:
         assert list(r)[:3] == ["step", "epoch", "walked_tau"] and r["walked_tau"] >= 1
         assert {"walked_tau_cycles", "walked_histogram", "walked_turns", "val_loss", "val_acc_per_position",
-                "walk_s", "tau_estimate"} <= set(r) and "eval_tau" not in r
+                "walk_s", "tau_estimate", "walked_loop_turns", "walked_loop_tau_cycles",
+                "walked_other_tau_cycles"} <= set(r) and "eval_tau" not in r
     out = capsys.readouterr().out
     assert "| walked tau " in out and out.index("walked tau") < out.index("tau~")
     taus = [r["walked_tau"] for r in records]
