@@ -154,6 +154,7 @@ class TurnStats:
 
     spec_seconds: float
     spec_tokens: int
+    spec_cycles: int = 0
     baseline_seconds: float | None = None
     baseline_tokens: int = 0
     mismatched: bool = False
@@ -168,6 +169,7 @@ class SetResult:
     """Speculative output tokens over every turn."""
     spec_seconds: float = 0.0
     spec_tokens: int = 0
+    spec_cycles: int = 0
     baseline_seconds: float = 0.0
     baseline_tokens: int = 0
     timed_turns: int = 0
@@ -194,6 +196,7 @@ class SetResult:
                 return
             self.spec_seconds += t.spec_seconds
             self.spec_tokens += t.spec_tokens
+            self.spec_cycles += t.spec_cycles
             self.baseline_seconds += t.baseline_seconds
             self.baseline_tokens += t.baseline_tokens
             self.timed_turns += 1
@@ -208,7 +211,8 @@ class SetResult:
             "num_cycles": len(lengths),
             "new_tokens": self.new_tokens,
             "histogram": specdec.acceptance_histogram(lengths, self.block_size),
-            **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens),
+            **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens,
+                             self.spec_cycles),
             "speedup_turns": self.timed_turns,
             "mismatched_turns": self.mismatched_turns if self.checked else None,
             **(loop_fields(self.turns(), [o for p in self.prompts for o in p["output_ids"]])
@@ -216,13 +220,19 @@ class SetResult:
         }
 
 
-def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: int) -> dict:
-    """Seconds per token of each decoder and their ratio (None without a baseline)."""
+def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: int, spec_cycles: int = 0) -> dict:
+    """Seconds per token of each decoder and their ratio (None without a baseline), and what a
+    speculative cycle costs: its seconds (`spec_s_per_cycle`) and those in target-only steps
+    (`cycle_target_steps`, the decoding engine's figure of merit: speedup = tau over cycles of
+    the timed turns / cycle_target_steps). Per-turn prefills are in both decoders' seconds."""
+    per_cycle = spec_s / spec_cycles if spec_cycles else None
     if not base_tokens or not spec_tokens:
         return {"speedup": None, "baseline_s_per_token": None,
-                "spec_s_per_token": spec_s / spec_tokens if spec_tokens else None}
+                "spec_s_per_token": spec_s / spec_tokens if spec_tokens else None,
+                "spec_s_per_cycle": per_cycle, "cycle_target_steps": None}
     base, spec = base_s / base_tokens, spec_s / spec_tokens
-    return {"speedup": base / spec, "baseline_s_per_token": base, "spec_s_per_token": spec}
+    return {"speedup": base / spec, "baseline_s_per_token": base, "spec_s_per_token": spec,
+            "spec_s_per_cycle": per_cycle, "cycle_target_steps": per_cycle / base if per_cycle else None}
 
 
 def record_turn_seed(seed: int, index: int, turn: int) -> int:
@@ -238,7 +248,7 @@ def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]
     answer becomes the next assistant message, which the record's next turn sees."""
     entry["acceptance_lengths"].append(gen.acceptance_lengths)
     entry["output_ids"].append(gen.output_ids)
-    stat = TurnStats(gen.seconds, len(gen.output_ids))
+    stat = TurnStats(gen.seconds, len(gen.output_ids), len(gen.acceptance_lengths))
     if base is not None:
         stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
         stat.mismatched = base.output_ids != gen.output_ids
@@ -325,12 +335,14 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
     lengths = [n for s in sets for t in s.turns() for n in t]
     taus = [v["tau"] for v in per_set.values() if not math.isnan(v["tau"])]
     overall = speedup_fields(sum(s.baseline_seconds for s in sets), sum(s.baseline_tokens for s in sets),
-                             sum(s.spec_seconds for s in sets), sum(s.spec_tokens for s in sets))
+                             sum(s.spec_seconds for s in sets), sum(s.spec_tokens for s in sets),
+                             sum(s.spec_cycles for s in sets))
     return {
         "tau": sum(taus) / len(taus) if taus else float("nan"),
         "per_set": per_set,
         "histogram": specdec.acceptance_histogram(lengths, block_size),
         "speedup": overall["speedup"],
+        "cycle_target_steps": overall["cycle_target_steps"],
         "speedup_turns": sum(s.timed_turns for s in sets),
         "block_size": block_size,
         "settings": settings,
@@ -362,7 +374,8 @@ def markdown_summary(result: dict) -> str:
     speedup = "speedup not measured" if result["speedup"] is None else (
         f"speedup {result['speedup']:.2f}x (target-only seconds per token / speculative seconds per token, over "
         f"the first {s.get('speedup_turns')} turns of each set ({result.get('speedup_turns')} in all), both "
-        "decoded in one process with no other decoding running)")
+        "decoded in one process with no other decoding running; a speculative cycle cost "
+        f"{fmt(result.get('cycle_target_steps'), '.2f')} target-only steps)")
     lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, {speedup}", "",
               "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
               ""]
@@ -576,7 +589,8 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
     if eager is not None:
         doc["speedup_eager"] = speedup_fields(sum(s.baseline_seconds for s in eager),
                                               sum(s.baseline_tokens for s in eager),
-                                              sum(s.spec_seconds for s in eager), sum(s.spec_tokens for s in eager))
+                                              sum(s.spec_seconds for s in eager), sum(s.spec_tokens for s in eager),
+                                              sum(s.spec_cycles for s in eager))
     doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s, "eager": eager_s,
                      "capture": loaded[0].capture_seconds if loaded is not None else 0.0}
     return doc

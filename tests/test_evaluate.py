@@ -144,13 +144,18 @@ def test_second_turn_sees_our_first_answer(tiny_setup):
 
 def test_combine_reports_the_papers_tau():
     a = evaluate.SetResult("a", 4, prompts=[{"acceptance_lengths": [[1, 1], [4]]}], spec_seconds=1.0, spec_tokens=10,
-                           baseline_seconds=3.0, baseline_tokens=10)
+                           spec_cycles=4, baseline_seconds=3.0, baseline_tokens=10)
     b = evaluate.SetResult("b", 4, prompts=[{"acceptance_lengths": [[2, 2, 2]]}], spec_seconds=1.0, spec_tokens=10,
-                           baseline_seconds=1.0, baseline_tokens=10)
+                           spec_cycles=3, baseline_seconds=1.0, baseline_tokens=10)
     doc = evaluate.combine([a, b], {"temperature": 0.0})
     assert doc["per_set"]["a"]["tau"] == 2.5  # mean of turn means (1 and 4), not of cycles (2)
     assert doc["per_set"]["a"]["tau_cycles"] == 2.0
     assert doc["per_set"]["a"]["speedup"] == pytest.approx(3.0) and doc["speedup"] == pytest.approx(2.0)
+    # A cycle of `a` took 1.0 / 4 s, a target-only step 3.0 / 10 s: 0.83 steps.
+    assert doc["per_set"]["a"]["spec_s_per_cycle"] == 0.25
+    assert doc["per_set"]["a"]["cycle_target_steps"] == pytest.approx(0.25 / 0.3)
+    assert doc["cycle_target_steps"] == pytest.approx((2.0 / 7) / (4.0 / 20))  # over both sets' timed turns
+    assert evaluate.speedup_fields(1.0, 10, 1.0, 10)["cycle_target_steps"] is None  # no cycles counted
     assert doc["tau"] == 2.25
     assert doc["histogram"] == [2, 3, 0, 1]
 
@@ -207,6 +212,9 @@ def test_eval_command_writes_json_markdown_and_png(tiny_setup, tmp_path, capsys)
     assert doc["per_set"]["mine"]["num_prompts"] == 1 and doc["per_set"]["mine"]["num_turns"] == 2
     assert all(s["mismatched_turns"] == 0 for s in doc["per_set"].values())
     assert doc["speedup"] > 0 and len(doc["histogram"]) == 4
+    timed = doc["per_set"]["mine"]  # its two turns timed both ways: the cycle's cost in target-only steps
+    assert timed["cycle_target_steps"] == pytest.approx(timed["spec_s_per_cycle"] / timed["baseline_s_per_token"])
+    assert timed["spec_s_per_cycle"] > 0 and doc["cycle_target_steps"] > 0
     for p in doc["prompts"]:
         assert set(p) >= {"id", "acceptance_lengths", "output_ids"}
         for lengths, ids in zip(p["acceptance_lengths"], p["output_ids"]):
