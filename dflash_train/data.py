@@ -486,6 +486,25 @@ def skip_loop_tails(ids, mask) -> tuple[np.ndarray, int]:
     return out, cut
 
 
+def without_loop_tails(dataset):
+    """(dataset, unsupervised, supervised): `dataset` (prepared columns) with every sample's loss
+    mask through `skip_loop_tails`, in memory, and how many of its supervised positions that
+    unsupervised."""
+    counts = {"cut": 0, "before": 0}
+
+    def cut(batch):
+        masks = []
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+            new, n = skip_loop_tails(ids, mask)
+            counts["cut"] += n
+            counts["before"] += int(np.sum(mask))
+            masks.append(new.tolist())
+        return {"loss_mask": masks}
+
+    dataset = dataset.map(cut, batched=True, keep_in_memory=True, load_from_cache_file=False, features=dataset.features)
+    return dataset, counts["cut"], counts["before"]
+
+
 def has_adjacent_pair(mask: np.ndarray) -> bool:
     """At least two neighbouring supervised tokens: an anchor with a target after it."""
     return bool(np.any(mask[1:] & mask[:-1]))

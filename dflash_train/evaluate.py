@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from dflash_train import specdec
-from dflash_train.data import LOOP_MIN_TOKENS, LOOP_REPEATS, loop_period
 from dflash_train.config import PROMPT_SETS
+from dflash_train.data import LOOP_MIN_TOKENS, LOOP_REPEATS, loop_period
 from dflash_train.errors import InputError, output_file_problem, problems_of
 from dflash_train.target import load_target_model, resolve_device, resolve_dtype, resolve_target_path
 from dflash_train.workers import parallel_map

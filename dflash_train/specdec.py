@@ -85,8 +85,8 @@ class Proposer(Protocol):
     undefined), the tapped features of each row's committed positions not seen yet [R, T, F],
     right-padded: row i's first context_len_R[i] entries are positions anchor_R[i] -
     context_len_R[i] .. anchor_R[i] - 1 (None when `target_layer_ids` is empty), and
-    max(anchor_R) as a host int; it returns [R, B-1] ids. `keep_rows(index_R)`: later calls see
-    only these rows of the earlier ones, in this order."""
+    max(anchor_R) as a host int; it returns [R, B-1] ids. `keep_rows(index_R)` (a host tensor):
+    later calls see only these rows of the earlier ones, in this order."""
 
     block_size: int
     target_layer_ids: list[int]
@@ -224,11 +224,14 @@ class DFlashProposer:
 
 
 def _keep_slots(cache: StaticCache, index_R: torch.Tensor) -> None:
-    """Slots index_R[i] (ascending) move to slots i: live rows stay in slots 0..n-1."""
-    dst = torch.arange(index_R.numel(), device=index_R.device)
-    moved = index_R != dst
-    if bool(moved.any()):
-        cache.move_rows(index_R[moved], dst[moved])
+    """Slots index_R[i] (ascending) move to slots i: live rows stay in slots 0..n-1. The moves
+    are worked out on the host (`index_R` is a host tensor: no device sync)."""
+    index = index_R.cpu()
+    dst = torch.arange(index.numel())
+    moved = index != dst
+    if cache.keys and bool(moved.any()):
+        device = cache.keys[0].device
+        cache.move_rows(index[moved].to(device), dst[moved].to(device))
 
 
 # --------------------------------------------------------------------------- generation
@@ -379,9 +382,10 @@ class Decoder:
         live = [i for i, r in enumerate(rows) if outs[r][-1] not in stop and len(outs[r]) < max_new_tokens]
         if not live or len(live) == len(rows):
             return [rows[i] for i in live], tensors
-        index = torch.tensor(live, device=self.device)
+        index = torch.tensor(live)  # on the host: the caches' moves need no device sync
         _keep_slots(self.target.cache, index)
         self.proposer.keep_rows(index)
+        index = index.to(self.device, non_blocking=True)
         return [rows[i] for i in live], tuple(None if t is None else t.index_select(0, index) for t in tensors)
 
     def _cycle_fn(self, width: int):

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from dflash_train.batching import BatchPlan, BatchStream
@@ -123,24 +122,12 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
 
 
 def skip_loop_tails(dataset, log=print):
-    """objective.loop_tails=skip: the training samples' loss masks without their replies' loop
-    tails (data.skip_loop_tails), in memory; the log line says how much that unsupervised."""
+    """objective.loop_tails=skip: the training samples without their replies' loop tails
+    (data.without_loop_tails); the log line says how much that unsupervised."""
     from dflash_train import data
 
-    counts = {"cut": 0, "before": 0}
-
-    def cut(batch):
-        masks = []
-        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
-            new, n = data.skip_loop_tails(ids, mask)
-            counts["cut"] += n
-            counts["before"] += int(np.sum(mask))
-            masks.append(new.tolist())
-        return {"loss_mask": masks}
-
-    dataset = dataset.map(cut, batched=True, keep_in_memory=True, load_from_cache_file=False, features=dataset.features)
-    share = counts["cut"] / max(1, counts["before"])
-    log(f"data: objective.loop_tails=skip: {counts['cut']} of {counts['before']} supervised tokens ({100 * share:.1f}%) "
+    dataset, cut, supervised = data.without_loop_tails(dataset)
+    log(f"data: objective.loop_tails=skip: {cut} of {supervised} supervised tokens ({100 * cut / max(1, supervised):.1f}%) "
         "lie in loops past their first 3 periods and are not supervised")
     return dataset
 
@@ -396,8 +383,8 @@ def train_drafter(run: Run) -> Path | None:
                     last = n == run.total_steps or stop is Stop.TIME
                     record = log_record(run, evaluate=bool(cfg.eval.every) and (n % cfg.eval.every == 0 or last))
                     sink.log(record)
-                    # keep_best: evaluation steps are checkpoint steps (config check), so the
-                    # checkpoint saved below holds these weights and this best.
+                    # keep_best: evaluation steps are checkpoint steps (config check) or the last
+                    # step (saved after the loop), so a checkpoint holds these weights and this best.
                     if run.best is not None and run.best.offer(n, record.get("walked_tau")):
                         sink.event(f"step {n}: best walked tau so far, {run.best.value:.3f}; its checkpoint is kept")
                 if stop is not None and stop.is_fault:
