@@ -27,6 +27,7 @@ reads (its width bucket), V vocabulary, F tapped features, B block size.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -280,23 +281,41 @@ class Graphs:
         return entry.outputs
 
     def _capture(self, fn, inputs) -> _Captured:
-        torch.cuda.synchronize(self.device)
+        """Capture with Python's cyclic garbage collector held off: a collection that ran
+        inside the capture could destroy an unreachable graph (a replaced step set's graphs
+        reach their owner through their closures, a cycle only the collector frees), and
+        destroying a graph while another is captured invalidates that capture (CUDA refuses
+        the call; the next kernel fails, cuBLAS's first). Collection resumes after it."""
         started = time.perf_counter()
         static = tuple(x.clone() for x in inputs)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            graph, outputs = self._record(fn, static)
+        finally:
+            if collecting:
+                gc.enable()
+        self.capture_seconds += time.perf_counter() - started
+        self.num_captured += 1
+        return _Captured(graph, static, tuple(outputs), fn)
+
+    def _record(self, fn, static):
+        """The CUDA part of a capture: a warm-up run on a side stream (lazy inits, autotuning),
+        then the capture into the shared pool. Returns (graph, outputs)."""
+        torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, autotuning)
+        with torch.cuda.stream(side):
             fn(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = tuple(fn(*static))
         torch.cuda.synchronize(self.device)
-        self.capture_seconds += time.perf_counter() - started
-        self.num_captured += 1
-        return _Captured(graph, static, outputs, fn)
+        return graph, outputs
 
     def clear(self) -> None:
+        """Destroy every captured graph now (not whenever the collector reaches them)."""
         self.entries.clear()
 
 

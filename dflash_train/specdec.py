@@ -303,6 +303,7 @@ class Decoder:
             return
         if self.target is not None:
             rows, capacity = max(rows, self.target.cache.rows), max(capacity, 2 * self.target.capacity)
+            self.target.graphs.clear()  # freed here, outside any capture (Graphs._capture says why)
         self.target = TargetSteps(self.model, rows, capacity, temperature=self.temperature, top_p=self.top_p,
                                   taps=self.taps, graphs=self.use_graphs)
 

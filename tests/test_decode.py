@@ -5,13 +5,14 @@ CUDA graphs against eager runs of the same steps."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
-from dflash_train.decode import SlotDecoder, StaticCache, TargetSteps, pick, row_buckets, width_buckets
+from dflash_train.decode import Graphs, SlotDecoder, StaticCache, TargetSteps, pick, row_buckets, width_buckets
 from dflash_train.sampling import choose, position_uniform
 from dflash_train.specdec import Decoder, DFlashProposer
 
@@ -103,6 +104,78 @@ def test_static_cache_writes_columns_of_the_chosen_rows():
 
 
 # --------------------------------------------------------------------------- continuous batching
+
+
+class _Recorded:
+    """A stand-in for a CUDA graph: says when it is destroyed and whether a capture was under way."""
+
+    def __init__(self, name, log, capturing):
+        self.name, self.log, self.capturing = name, log, capturing
+
+    def replay(self):
+        pass
+
+    def __del__(self):
+        self.log.append((self.name, self.capturing[0]))
+
+
+class _RecordingGraphs(Graphs):
+    """Graphs whose CUDA part is simulated on CPU: a capture runs fn once, and, as the automatic
+    collector would at any allocation, collects garbage in the middle of it when collection is on."""
+
+    def __post_init__(self):
+        self.enabled, self.pool, self.log, self.capturing = True, None, [], [False]
+
+    def _record(self, fn, static):
+        self.capturing[0] = True
+        try:
+            outputs = fn(*static)
+            if gc.isenabled():
+                gc.collect()
+        finally:
+            self.capturing[0] = False
+        return _Recorded(fn.__name__, self.log, self.capturing), outputs
+
+
+def test_a_capture_never_destroys_an_unreachable_graph():
+    """A replaced step set's graphs reach their owner through their step functions: a cycle
+    that only the collector frees. A collection inside a later capture would destroy them
+    there, which CUDA refuses (the capture is lost, and with it the run). Graphs holds the
+    collector off while it captures, and clear() destroys its graphs at once."""
+    graphs = _RecordingGraphs(torch.device("cpu"))
+
+    def replaced_step_set():
+        """An owner whose captured step function closes over it, left unreachable."""
+        class Owner:
+            pass
+
+        owner = Owner()
+        owner.graphs = _RecordingGraphs(torch.device("cpu"))
+        owner.graphs.log, owner.graphs.capturing = graphs.log, graphs.capturing
+
+        def old(x):
+            return (x + owner.graphs.num_captured,)  # the closure holds the owner: a cycle
+
+        owner.graphs.run("old", old, torch.zeros(2))
+
+    def new(x):
+        return (x + 1,)
+
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        gc.collect()  # the counts start from zero: no automatic collection before the capture
+        replaced_step_set()  # garbage that only the collector can free
+        (out,) = graphs.run("new", new, torch.zeros(2))
+        assert out.tolist() == [1.0, 1.0]
+        assert ("old", True) not in graphs.log, "a graph was destroyed while another was being captured"
+        assert gc.isenabled(), "the collector is back on after the capture"
+        gc.collect()
+        assert graphs.log == [("old", False)]
+        graphs.clear()
+        assert graphs.log == [("old", False), ("new", False)]
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
