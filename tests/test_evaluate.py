@@ -342,6 +342,19 @@ def test_a_failing_worker_fails_the_command(tiny_setup, tmp_path, capsys):
     assert "--batch-size must be >= 1" in err
 
 
+def test_quality_run_recipe_is_a_valid_configuration():
+    """The training settings scripts/quality_run.sh passes by default (its TRAIN_ARGS, as bash
+    expands them) load as a configuration, with the measured recipe's levers set."""
+    script = (ROOT / "scripts" / "quality_run.sh").read_text()
+    start = script.index('TRAIN_ARGS="${TRAIN_ARGS-')
+    assignment = script[start:script.index("\n", script.index('}"', start))]
+    out = subprocess.run(["bash", "-c", f'unset TRAIN_ARGS; {assignment}\nprintf "%s" "$TRAIN_ARGS"'],
+                         capture_output=True, text=True, check=True).stdout
+    cfg = load_config(None, out.split())
+    assert cfg.drafter.num_layers == 5 and cfg.objective.num_anchors == 512
+    assert cfg.objective.weighting == "dpace" and cfg.objective.loop_tails == "skip"
+
+
 def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     """The CPU smoke test in scripts/quality_run.sh's header (the same settings): regenerate,
     train and evaluate with the tiny random target; every stage's output and the timings exist.
