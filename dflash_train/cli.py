@@ -51,6 +51,12 @@ def run_train(args) -> int:
     from dflash_train.train import train
 
     overrides = list(args.overrides)
+    if args.config is None and not overrides and gpu_default_applies():
+        from dflash_train import recipe
+
+        plan = recipe.GpuDefault(**({"output_dir": args.output_dir} if args.output_dir else {}))
+        print(recipe.notice(plan), flush=True)
+        return recipe.run_gpu_default(plan)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     cfg = load_config(args.config, overrides)
@@ -60,12 +66,23 @@ def run_train(args) -> int:
     return 0
 
 
+def gpu_default_applies() -> bool:
+    """The embedded default runs the quality recipe (recipe.GpuDefault) where a CUDA GPU is
+    visible and the process is not one rank of several (torchrun keeps the smoke-sized run)."""
+    import os
+
+    import torch
+
+    return torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
 def embedded_default_notice(cfg) -> str:
     """The first line of `dflash-train train` with no --config and no overrides: what the run is."""
     return (f"dflash-train train: the embedded default, a smoke-sized run ({cfg.drafter.num_layers}-layer drafter, "
             f"block {cfg.drafter.block_size}, {cfg.train.max_steps} steps on the bundled ShareGPT for "
             f"{cfg.target.path}): it checks the install end to end and does not make a drafter that accelerates "
-            f"(served tau about 1.04); for one that does, see README 'The quality run' (scripts/quality_run.sh)")
+            f"(served tau about 1.04); on a machine with a CUDA GPU the same command runs the quality recipe instead; "
+            f"see README 'The quality run' (scripts/quality_run.sh)")
 
 
 def run_export(args) -> int:
@@ -299,7 +316,7 @@ def run_command(args) -> int:
     """`args.func(args)` under the error contract (errors.py): a UserError is said in its own
     words with its exit status, a file operation the system refused (a full disk) exits 1; any
     other exception is a bug and keeps its traceback."""
-    from dflash_train.errors import FAILED, PEER_LOST, UserError
+    from dflash_train.errors import FAILED, INTERRUPTED, PEER_LOST, UserError
 
     command = " ".join(c for c in (args.command, getattr(args, "data_command", None)) if c)
     try:
@@ -316,7 +333,7 @@ def run_command(args) -> int:
         return FAILED
     except KeyboardInterrupt:
         print(f"\ndflash-train {command}: interrupted", file=sys.stderr, flush=True)
-        return 130
+        return INTERRUPTED
 
 
 def say(command: str, err: BaseException) -> None:

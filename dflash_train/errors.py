@@ -1,7 +1,7 @@
 """The command line's error contract: the errors a user is told about in words, their exit codes,
 and the cheap checks of output paths that commands run before anything heavy.
 
-Every command ends in one of four ways (cli.main is the one place that turns these errors into
+Every command ends in one of five ways (cli.main is the one place that turns these errors into
 `dflash-train CMD: ...` lines on stderr and an exit status):
 - 0: done.
 - 2 (`BAD_INPUT`): something the user gave is wrong: an option or config value, a path, a
@@ -12,6 +12,9 @@ Every command ends in one of four ways (cli.main is the one place that turns the
   does not answer, a worker process that died, a run that stopped itself (too many bad steps),
   a file operation the system refused (a full disk).
 - 3 (`PEER_LOST`): another rank of a torchrun job died or stopped answering.
+- 130 (`INTERRUPTED`): Ctrl-C anywhere, or a signal that stopped `data regenerate` (or the
+  embedded default on a GPU) before its end; what was finished is kept and the same command
+  resumes. (`train` stopped by a signal saves a checkpoint and exits 0: its resume is the rerun.)
 A Python traceback (exit 1) is a bug of ours, never a user's mistake.
 
 The project's error types derive from `UserError` and keep the built-in type they are
@@ -29,6 +32,7 @@ from typing import Callable
 FAILED = 1
 BAD_INPUT = 2
 PEER_LOST = 3
+INTERRUPTED = 130
 
 
 class UserError(Exception):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Protocol
 from dflash_train.control import StopFlag
 from dflash_train.data import (FORMATS, UNFINISHED, DataError, Record, Skip, iter_records, loop_period, nothing_usable,
                                render)
-from dflash_train.errors import output_file_problem, problems_of
+from dflash_train.errors import INTERRUPTED, output_file_problem, problems_of
 from dflash_train.serving import ServerError, turn_seed
 
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -610,4 +610,4 @@ def run_regenerate(args) -> int:
     if len(summary["skipped"]) > SHOWN_SKIPS:
         print(f"... and {len(summary['skipped']) - SHOWN_SKIPS} more skipped records")
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}))
-    return 130 if summary.get("stopped") else 0
+    return INTERRUPTED if summary.get("stopped") else 0

@@ -28,7 +28,8 @@
 #   TRAIN_STEPS [2600]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
 #                                            schedule follows TRAIN_STEPS (2,600 steps took
 #                                            457 s on one H200 on 7K conversations)
-#   TRAIN_ARGS [the measured recipe]         section.key=value overrides for `train` (5 layers,
+#   TRAIN_ARGS [the measured recipe]         section.key=value overrides for `train` (recipe.py's
+#                                            QUALITY_TRAIN_ARGS: 5 layers,
 #                                            16K-token batches, 512 anchors, lr 1e-3, compiled
 #                                            target and drafter, D-PACE weights, loop tails
 #                                            skipped); TRAIN_ARGS= for none
@@ -64,9 +65,7 @@ REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
 TRAIN_STEPS="${TRAIN_STEPS:-2600}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
-TRAIN_ARGS="${TRAIN_ARGS-drafter.num_layers=5 data.max_length=2048 data.token_budget=16384 data.max_batch_size=64 \
-objective.num_anchors=512 optim.lr=1e-3 target.compile=true train.compile=true objective.weighting=dpace \
-objective.loop_tails=skip}"  # empty: none
+TRAIN_ARGS="${TRAIN_ARGS-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_TRAIN_ARGS; print(*QUALITY_TRAIN_ARGS)')}"  # empty: none
 TRAIN_GPUS="${TRAIN_GPUS:-1}"
 VALIDATION="${VALIDATION:-128}"
 EVAL_EVERY="${EVAL_EVERY:-400}"

@@ -344,12 +344,16 @@ def test_a_failing_worker_fails_the_command(tiny_setup, tmp_path, capsys):
 
 def test_quality_run_recipe_is_a_valid_configuration():
     """The training settings scripts/quality_run.sh passes by default (its TRAIN_ARGS, as bash
-    expands them) load as a configuration, with the measured recipe's levers set."""
+    expands them) are recipe.QUALITY_TRAIN_ARGS, and they load as a configuration with the
+    measured recipe's levers set."""
+    from dflash_train.recipe import QUALITY_TRAIN_ARGS
+
     script = (ROOT / "scripts" / "quality_run.sh").read_text()
     start = script.index('TRAIN_ARGS="${TRAIN_ARGS-')
-    assignment = script[start:script.index("\n", script.index('}"', start))]
-    out = subprocess.run(["bash", "-c", f'unset TRAIN_ARGS; {assignment}\nprintf "%s" "$TRAIN_ARGS"'],
-                         capture_output=True, text=True, check=True).stdout
+    assignment = script[start:script.index("\n", start)]
+    out = subprocess.run(["bash", "-c", f'unset TRAIN_ARGS; PYTHON={sys.executable}; {assignment}\nprintf "%s" "$TRAIN_ARGS"'],
+                         capture_output=True, text=True, check=True, env=subprocess_env()).stdout
+    assert out.split() == list(QUALITY_TRAIN_ARGS)
     cfg = load_config(None, out.split())
     assert cfg.drafter.num_layers == 5 and cfg.objective.num_anchors == 512
     assert cfg.objective.weighting == "dpace" and cfg.objective.loop_tails == "skip"
