@@ -405,13 +405,33 @@ class Decoder:
             return (packet, feats, chosen_RB.gather(1, acc_R[:, None])[:, 0], anchor_R + acc_R + 1, acc_R + 1)
         return fn
 
+    def _prompt_context(self, token_R, anchor_R, context_RTF, longest: int):
+        """The first cycle's context in the shape of every later one's, so that it replays the
+        captured cycle too instead of running the whole target eagerly once per prompt: the
+        drafter's keys and values of all but the last min(L, B) prompt positions of each row
+        (prompt length L = anchor) are written into its cache first, by one eager drafter
+        step anchored where those positions end (its block's keys land on the columns that the
+        first cycle's context then overwrites: nothing reads them before); the last positions
+        become the first cycle's context [R, B, F] with its length. `longest`: max(anchor_R)
+        (a host int). Returns (context, lengths)."""
+        B = int(self.proposer.block_size)
+        keep_R = anchor_R.clamp(max=B)
+        head_R = anchor_R - keep_R
+        width = max(int(longest) - B, 0) + B
+        if width > B:
+            self.proposer.block_body(token_R, head_R, context_RTF, head_R, width)
+        T, F = context_RTF.shape[1:]
+        index_RB = (head_R[:, None] + torch.arange(B, device=anchor_R.device)).clamp(max=T - 1)
+        return context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F)), keep_R
+
     def _speculate_fused(self, outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
                          max_new_tokens, started, captured) -> list[Generation]:
         """Decoder.speculate's cycles for the DFlash proposer: each cycle one `_cycle_fn` run
-        (captured per bucket; the first cycle, whose context is the whole prompt, eager)."""
+        (captured per bucket; the first one too, after `_prompt_context`; eager only while the
+        drafter's cache buffers do not exist yet)."""
         proposer, target, device = self.proposer, self.target, self.device
         B = int(proposer.block_size)
-        context_len_R = anchor_R.clone()
+        context_RTF, context_len_R = self._prompt_context(token_R, anchor_R, context_RTF, max(lengths))
         rows = list(range(len(outs)))
         while True:
             rows, (token_R, anchor_R, context_len_R, seeds_R, context_RTF) = self._survivors(

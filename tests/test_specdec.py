@@ -336,6 +336,60 @@ def test_batched_greedy_is_lossless_and_matches_batch_one(tiny_target, sliding_w
     fresh_proposals_match(tiny_target, drafter, mixed.raw)
 
 
+class Unfused:
+    """A DFlash proposer through the generic Proposer path: propose_batch every cycle, the
+    first one on the whole prompt's context (not the engine's fused cycle)."""
+
+    def __init__(self, inner: DFlashProposer) -> None:
+        self.inner, self.block_size, self.target_layer_ids = inner, inner.block_size, inner.target_layer_ids
+
+    def reset(self, rows: int, capacity: int) -> None:
+        self.inner.reset(rows, capacity)
+
+    def propose_batch(self, *args):
+        return self.inner.propose_batch(*args)
+
+    def keep_rows(self, index_R) -> None:
+        self.inner.keep_rows(index_R)
+
+
+@pytest.mark.parametrize("B", [4, 8])
+def test_the_fused_cycle_writes_the_prompt_context_ahead_and_proposes_the_same(tiny_target, B):
+    """The fused cycle's first step takes only the prompt's last min(L, B) positions as context
+    (the rest written into the drafter's cache before it), so that it replays the captured
+    cycle; it proposes what the generic path proposes from the whole prompt, batched and alone,
+    for prompts shorter than, as long as and longer than a block."""
+    prompts, new = row_prompts(500, lengths=(1, B - 1, B, B + 1, 29)), 20
+    drafter = tiny_drafter(num_layers=2, block_size=B, num_taps=3)
+    fused = DFlashProposer.for_target(drafter, tiny_target)
+    generic = Unfused(DFlashProposer.for_target(drafter, tiny_target))
+    got = speculative_generate_batch(tiny_target, prompts, fused, new)
+    want = speculative_generate_batch(tiny_target, prompts, generic, new)
+    assert [(g.output_ids, g.acceptance_lengths) for g in got] == [(w.output_ids, w.acceptance_lengths) for w in want]
+    for prompt, g in zip(prompts, got):
+        one = speculative_generate(tiny_target, prompt, fused, new)
+        assert (one.output_ids, one.acceptance_lengths) == (g.output_ids, g.acceptance_lengths)
+    # A random drafter is (almost) never accepted: compare the first block's proposals and the
+    # drafter's cache themselves, from the same prefill, against one step on the whole prompt.
+    engine = specdec.Decoder(tiny_target, fused, rows=len(prompts), capacity=64)
+    rows = [torch.tensor(p) for p in prompts]
+    anchor_R = torch.tensor([len(p) for p in prompts])
+    token_R, context_RTF = engine.target.prefill(torch.arange(len(rows)), rows, torch.zeros(len(rows), dtype=torch.long))
+    width = int(anchor_R.max()) + B
+    fused.reset(len(rows), engine.target.capacity)
+    whole = fused.block_body(token_R, anchor_R, context_RTF, anchor_R, width)
+    keys = [k.clone() for k in fused.row_cache.keys]
+    fused.reset(len(rows), engine.target.capacity)
+    for k in (*fused.row_cache.keys, *fused.row_cache.values):
+        k.fill_(1e4)  # a column the new path forgot to write would show (finite: masked columns are read too)
+    context_RBF, length_R = engine._prompt_context(token_R, anchor_R, context_RTF, int(anchor_R.max()))
+    assert context_RBF.shape[1] == B and length_R.tolist() == [min(len(p), B) for p in prompts]
+    assert torch.equal(fused.block_body(token_R, anchor_R, context_RBF, length_R, width), whole)
+    for a, b in zip(keys, fused.row_cache.keys):
+        for r, n in enumerate(anchor_R.tolist()):
+            torch.testing.assert_close(b[r, :, : n + B], a[r, :, : n + B])  # the prompt and the block
+
+
 def test_batched_oracle_gives_tau_block_size_and_wrong_gives_one(tiny_target):
     B, prompts = 4, row_prompts(300)
     new = 1 + 5 * B
