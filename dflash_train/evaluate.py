@@ -158,6 +158,18 @@ class TurnStats:
     baseline_seconds: float | None = None
     baseline_tokens: int = 0
     mismatched: bool = False
+    record_id: str = ""
+    turn: int = 0
+    prompt_tokens: int = 0
+    spec_first_token_s: float | None = None
+    spec_first_cycle_s: float | None = None
+
+    def timing(self) -> dict:
+        """The turn in the set summary's `timed` list (timed turns only)."""
+        return {"id": self.record_id, "turn": self.turn, "prompt_tokens": self.prompt_tokens,
+                "new_tokens": self.spec_tokens, "cycles": self.spec_cycles, "spec_s": self.spec_seconds,
+                "spec_first_token_s": self.spec_first_token_s, "spec_first_cycle_s": self.spec_first_cycle_s,
+                "baseline_s": self.baseline_seconds, "baseline_tokens": self.baseline_tokens}
 
 
 @dataclass
@@ -175,6 +187,9 @@ class SetResult:
     timed_turns: int = 0
     """Turns whose two decodings the speedup uses (the first ones of the set); the
     seconds and tokens above are theirs."""
+    timed: list[dict] = field(default_factory=list)
+    """Those turns one by one (TurnStats.timing): what a turn's fixed cost and a cycle's cost
+    are can be fitted from them."""
     mismatched_turns: int = 0
     checked: bool = False
     """Whether every turn was also decoded target-only (the losslessness check)."""
@@ -200,6 +215,7 @@ class SetResult:
             self.baseline_seconds += t.baseline_seconds
             self.baseline_tokens += t.baseline_tokens
             self.timed_turns += 1
+            self.timed.append(t.timing())
 
     def summary(self) -> dict:
         lengths = [n for t in self.turns() for n in t]
@@ -214,6 +230,7 @@ class SetResult:
             **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens,
                              self.spec_cycles),
             "speedup_turns": self.timed_turns,
+            "timed": self.timed,
             "mismatched_turns": self.mismatched_turns if self.checked else None,
             **(loop_fields(self.turns(), [o for p in self.prompts for o in p["output_ids"]])
                if all("output_ids" in p for p in self.prompts) else {}),
@@ -242,13 +259,15 @@ def record_turn_seed(seed: int, index: int, turn: int) -> int:
 
 
 def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]], tokenizer,
-              gen: specdec.Generation, base: specdec.Generation | None) -> None:
+              gen: specdec.Generation, base: specdec.Generation | None, prompt_tokens: int = 0) -> None:
     """Book one decoded turn of a record: `gen`'s acceptance lengths, output and timing, with
     `base` (the target-only decoding, if run) its timing and whether the outputs differ; our
     answer becomes the next assistant message, which the record's next turn sees."""
     entry["acceptance_lengths"].append(gen.acceptance_lengths)
     entry["output_ids"].append(gen.output_ids)
-    stat = TurnStats(gen.seconds, len(gen.output_ids), len(gen.acceptance_lengths))
+    stat = TurnStats(gen.seconds, len(gen.output_ids), len(gen.acceptance_lengths), record_id=entry["id"],
+                     turn=len(stats), prompt_tokens=prompt_tokens, spec_first_token_s=gen.first_token_seconds,
+                     spec_first_cycle_s=gen.first_cycle_seconds)
     if base is not None:
         stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
         stat.mismatched = base.output_ids != gen.output_ids
@@ -288,8 +307,8 @@ def decode_records(engine: specdec.Decoder, tokenizer, records: list[tuple[int, 
         gens = engine.speculate(prompts, max_new_tokens, stop_ids=stop_ids, seed=seeds)
         bases = engine.generate(prompts, max_new_tokens, stop_ids=stop_ids, seed=seeds) if baseline \
             else [None] * len(rows)
-        for k, gen, base in zip(rows, gens, bases):
-            _add_turn(entries[k], stats[k], messages[k], tokenizer, gen, base)
+        for k, gen, base, prompt in zip(rows, gens, bases, prompts):
+            _add_turn(entries[k], stats[k], messages[k], tokenizer, gen, base, len(prompt))
     for entry in entries:
         entry["tau"] = specdec.turn_mean_tau(entry["acceptance_lengths"])
     return list(zip(entries, stats))

@@ -250,6 +250,12 @@ class Generation:
     """Wall-clock time of the whole call, prefill included (CUDA synchronized), less the time
     spent capturing graphs during it (the engine reports that); from a batched call, the whole
     batch's time (the same for every row)."""
+    first_token_seconds: float | None = None
+    """Speculative calls: the part of `seconds` until the first new tokens were on the host
+    (the prefill and its token choice)."""
+    first_cycle_seconds: float | None = None
+    """Speculative calls: the part of `seconds` until the first cycle's packets were on the host
+    (None when the prefill's token ended the call)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -425,7 +431,7 @@ class Decoder:
         return context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F)), keep_R
 
     def _speculate_fused(self, outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
-                         max_new_tokens, started, captured) -> list[Generation]:
+                         max_new_tokens, started, captured, marks) -> list[Generation]:
         """Decoder.speculate's cycles for the DFlash proposer: each cycle one `_cycle_fn` run
         (captured per bucket; the first one too, after `_prompt_context`; eager only while the
         drafter's cache buffers do not exist yet)."""
@@ -453,9 +459,11 @@ class Decoder:
             context_RTF = feats
             # The cycle's one host sync: every row's acceptance count and the target's tokens.
             _commit(rows, packet.tolist(), outs, accepted, stop, max_new_tokens)
+            if len(marks) == 1:
+                marks.append(time.perf_counter() - started - (self.capture_seconds - captured))
         _sync(device)
         seconds = time.perf_counter() - started - (self.capture_seconds - captured)
-        return [Generation(o, a, o[-1] in stop, seconds) for o, a in zip(outs, accepted)]
+        return [Generation(o, a, o[-1] in stop, seconds, *_marks(marks)) for o, a in zip(outs, accepted)]
 
     @torch.inference_mode()
     def speculate(self, prompts, max_new_tokens: int, *, stop_ids: Iterable[int] = (),
@@ -490,11 +498,12 @@ class Decoder:
         seq_RS.scatter_(1, anchor_R[:, None], token_R[:, None])
         for r, t in enumerate(token_R.tolist()):  # host sync: the first tokens' stop checks
             outs[r].append(t)
+        marks = [time.perf_counter() - started - (self.capture_seconds - captured)]  # first token, first cycle
         # As many rows as the target's cache: the fused cycle pads R up to its row buckets.
         proposer.reset(self.target.cache.rows, self.target.capacity)
         if isinstance(proposer, DFlashProposer) and context_RTF is not None:
             return self._speculate_fused(outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
-                                         max_new_tokens, started, captured)
+                                         max_new_tokens, started, captured, marks)
         k_B = torch.arange(B, device=device)
         rows = list(range(R))  # the prompt of each live row (live rows sit in slots 0..n-1)
         while True:
@@ -510,6 +519,8 @@ class Decoder:
             # The cycle's one host sync: every row's acceptance count and the target's tokens.
             host = torch.cat([acc_R[:, None], chosen_RB], dim=1).tolist()
             _commit(rows, host, outs, accepted, stop, max_new_tokens)
+            if len(marks) == 1:
+                marks.append(time.perf_counter() - started - (self.capture_seconds - captured))
             # Positions anchor .. anchor+acc of each row are committed; their features are the
             # next context. Tokens written past that are overwritten before they are read.
             context_RTF = None if self.taps is None or not self.taps.layer_ids else features
@@ -518,7 +529,12 @@ class Decoder:
             anchor_R = anchor_R + context_len_R
         _sync(device)
         seconds = time.perf_counter() - started - (self.capture_seconds - captured)
-        return [Generation(outs[r], accepted[r], outs[r][-1] in stop, seconds) for r in range(R)]
+        return [Generation(outs[r], accepted[r], outs[r][-1] in stop, seconds, *_marks(marks)) for r in range(R)]
+
+
+def _marks(marks: list[float]) -> tuple[float, float | None]:
+    """(first_token_seconds, first_cycle_seconds) from a call's time marks."""
+    return marks[0], (marks[1] if len(marks) > 1 else None)
 
 
 def _commit(rows: list[int], packets: list[list[int]], outs, accepted, stop: set[int], max_new_tokens: int) -> None:

@@ -275,7 +275,7 @@ def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
 
 
 def _without_timings(doc: dict) -> dict:
-    timing = {"speedup", "baseline_s_per_token", "spec_s_per_token", "spec_s_per_cycle", "cycle_target_steps"}
+    timing = {"speedup", "baseline_s_per_token", "spec_s_per_token", "spec_s_per_cycle", "cycle_target_steps", "timed"}
     doc = {k: v for k, v in doc.items() if k not in timing | {"wall_s", "settings"}}
     doc["per_set"] = {name: {k: v for k, v in s.items() if k not in timing} for name, s in doc["per_set"].items()}
     return doc
@@ -297,6 +297,17 @@ def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
     for doc in (one, two, batched):
         assert doc["per_set"]["mine"]["speedup_turns"] == 3 and doc["speedup_turns"] == 6
         assert doc["speedup"] > 0 and doc["settings"]["speedup_turns"] == 3
+        # The timed turns one by one: the set's figures are their sums.
+        mine = doc["per_set"]["mine"]
+        timed = mine["timed"]
+        assert [(t["id"], t["turn"]) for t in timed] == [("0", 0), ("0", 1), ("1", 0)]
+        assert timed[1]["prompt_tokens"] > timed[0]["prompt_tokens"] > 0  # the second turn sees the first
+        assert sum(t["new_tokens"] for t in timed) * mine["spec_s_per_token"] == pytest.approx(sum(t["spec_s"] for t in timed))
+        assert sum(t["baseline_tokens"] for t in timed) * mine["baseline_s_per_token"] == \
+            pytest.approx(sum(t["baseline_s"] for t in timed))
+        assert sum(t["cycles"] for t in timed) * mine["spec_s_per_cycle"] == pytest.approx(sum(t["spec_s"] for t in timed))
+        for t in timed:
+            assert 0 < t["spec_first_token_s"] <= (t["spec_first_cycle_s"] or t["spec_s"]) <= t["spec_s"]
     assert two["settings"]["workers"] == 2 and two["settings"]["stop_ids"] == one["settings"]["stop_ids"]
 
 
