@@ -522,11 +522,19 @@ def eager_engine(engine: specdec.Decoder) -> specdec.Decoder:
 
 
 def warm_capacity(tokenizer, sets: list[tuple[str, list[PromptRecord]]], max_new_tokens: int, block_size: int) -> int:
-    """Positions the timed first turns need: the longest first-turn prompt, the budget and two
-    blocks (later turns that need more capture their graphs when they come; capture time is
-    never part of a decoding's seconds)."""
-    longest = max(len(prompt_ids(tokenizer, r.first_messages())) for _, records in sets for r in records)
-    return longest + max_new_tokens + 2 * block_size + 2
+    """Positions the timed turns can need, so that none of them grows the engine's caches (a
+    growth drops every graph, and rebuilding them falls inside a timed turn): over the records,
+    the longest conversation rendered with every user turn and empty answers, plus each turn's
+    budget with a quarter more (an answer's text can tokenize to more ids than it was decoded
+    from), and two blocks."""
+    def need(record: PromptRecord) -> int:
+        messages = record.first_messages()[:-1]
+        for turn in record.turns:
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+        rendered = len(prompt_ids(tokenizer, messages[:-1]))
+        return rendered + len(record.turns) * (max_new_tokens + max_new_tokens // 4 + 1)
+
+    return max(need(r) for _, records in sets for r in records) + 2 * block_size + 2
 
 
 def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None = None,

@@ -281,6 +281,28 @@ def _without_timings(doc: dict) -> dict:
     return doc
 
 
+def test_the_warm_capacity_holds_every_timed_turn(tiny_setup):
+    """The timing pass warms the engine up to warm_capacity; a record's later turns (longer
+    prompts: the earlier turns and answers) must fit in it, since growing the caches drops
+    every captured graph inside a timed turn."""
+    model, tokenizer, drafter, _ = tiny_setup
+    records = [evaluate.PromptRecord("a", ["Tell me a long story about a cat.", "And another one, longer.",
+                                           "One more."]),
+               evaluate.PromptRecord("b", ["Hi"], system="Be brief.")]
+    new = 24
+    capacity = evaluate.warm_capacity(tokenizer, [("mine", records)], new, drafter.block_size)
+    proposer = specdec.DFlashProposer.for_target(drafter, model)
+    engine = specdec.Decoder(model, proposer, capacity=capacity)
+    steps = engine.target
+    stop_ids = specdec.stop_token_ids(tokenizer, model.generation_config)
+    for i, record in enumerate(records):
+        entry, turns = evaluate.decode_record(engine, tokenizer, record, i, name="mine", max_new_tokens=new, seed=0,
+                                              stop_ids=stop_ids, baseline=True)
+        assert len(entry["output_ids"]) == len(record.turns)
+    assert engine.target is steps, "a timed turn grew the caches"
+    assert turns[-1].prompt_tokens + new <= capacity
+
+
 def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
     """Records split over 2 processes (one at a time, or in batches of 2), merged in prompt
     order: everything but the timings equals the one-process run; the speedup is measured in
