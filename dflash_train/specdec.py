@@ -165,6 +165,14 @@ class DFlashProposer:
         context_len_R[i] of context_RTF[i] (positions anchor - context_len .. anchor - 1)."""
         return self._block_fn(width)(anchor_token_R, anchor_R, context_RTF, context_len_R)[0]
 
+    def write_context(self, anchor_token_R, end_R, context_RTF, width: int) -> None:
+        """The drafter's keys and values of positions 0..end_R[i]-1 of each row (features
+        context_RTF[i, :end_R[i]]) into its cache, ahead of the block steps: one drafter forward
+        anchored at end_R, whose block's keys land on columns end_R .. end_R + B - 1 (the next
+        block step's context overwrites them before anything reads them). Not a block step: it
+        proposes nothing."""
+        self._block_fn(width)(anchor_token_R, end_R, context_RTF, end_R)
+
     @property
     def ready(self) -> bool:
         """Whether the block step may be captured: its cache buffers exist (the first, eager,
@@ -415,9 +423,8 @@ class Decoder:
         """The first cycle's context in the shape of every later one's, so that it replays the
         captured cycle too instead of running the whole target eagerly once per prompt: the
         drafter's keys and values of all but the last min(L, B) prompt positions of each row
-        (prompt length L = anchor) are written into its cache first, by one eager drafter
-        step anchored where those positions end (its block's keys land on the columns that the
-        first cycle's context then overwrites: nothing reads them before); the last positions
+        (prompt length L = anchor) are written into its cache first, eagerly
+        (DFlashProposer.write_context); the last positions
         become the first cycle's context [R, B, F] with its length. `longest`: max(anchor_R)
         (a host int). Returns (context, lengths)."""
         B = int(self.proposer.block_size)
@@ -425,7 +432,7 @@ class Decoder:
         head_R = anchor_R - keep_R
         width = max(int(longest) - B, 0) + B
         if width > B:
-            self.proposer.block_body(token_R, head_R, context_RTF, head_R, width)
+            self.proposer.write_context(token_R, head_R, context_RTF, width)
         T, F = context_RTF.shape[1:]
         index_RB = (head_R[:, None] + torch.arange(B, device=anchor_R.device)).clamp(max=T - 1)
         return context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F)), keep_R

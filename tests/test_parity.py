@@ -30,12 +30,19 @@ class RecordingProposer(DFlashProposer):
         super().__init__(*args, **kw)
         self.anchors: list[int] = []
         self.proposals: list[torch.Tensor] = []
+        self.served: list[torch.Tensor] = []
 
     def block_body(self, anchor_token_R, anchor_R, context_RTF, context_len_R, width):
-        proposals = super().block_body(anchor_token_R, anchor_R, context_RTF, context_len_R, width)
+        last: list[torch.Tensor] = []  # the drafter's last-layer output of this block step only
+        handle = _capture(self.drafter.layers[-1], last)
+        try:
+            proposals = super().block_body(anchor_token_R, anchor_R, context_RTF, context_len_R, width)
+        finally:
+            handle.remove()
         assert anchor_R.numel() == 1, "one sequence"  # on CPU every cycle's block step runs eagerly
         self.anchors.append(int(anchor_R[0]))
         self.proposals.append(proposals[0].clone())
+        self.served.extend(last)
         return proposals
 
 
@@ -90,11 +97,10 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     prompt = torch.randint(0, 400, (PROMPT_LEN,))
     prompt[prompt == mask_id] = 1
 
-    served: list[torch.Tensor] = []
-    handle = _capture(drafter.layers[-1], served)
     proposer = RecordingProposer.for_target(drafter, model)
     gen = speculative_generate(model, prompt.tolist(), proposer, MAX_NEW)
-    handle.remove()
+    served = proposer.served  # per block step (the prompt's context written ahead is not one)
+    assert len(served) == len(proposer.proposals) == len(proposer.anchors)
     if accept_all:
         assert gen.acceptance_lengths[:-1] == [B] * (len(gen.acceptance_lengths) - 1)
     assert len(proposer.anchors) >= 4
