@@ -252,6 +252,26 @@ def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: 
             "spec_s_per_cycle": per_cycle, "cycle_target_steps": per_cycle / base if per_cycle else None}
 
 
+def turn_costs(timed: list[dict]) -> dict | None:
+    """Where a timed speculative turn's seconds go, from the timed turns (SetResult.timed): its
+    time to the first token (the prefill and its token choice), then to the end of its first
+    cycle, then per later cycle (the steady cost); and the target-only seconds per token beside
+    them. None without timed speculative turns that ran a cycle."""
+    cycled = [t for t in timed if t.get("spec_first_cycle_s") is not None and t["cycles"] >= 1]
+    if not cycled:
+        return None
+    later = sum(t["cycles"] - 1 for t in cycled)
+    base_tokens = sum(t["baseline_tokens"] for t in cycled if t.get("baseline_s") is not None)
+    return {
+        "turns": len(cycled),
+        "spec_first_token_s": sum(t["spec_first_token_s"] for t in cycled) / len(cycled),
+        "spec_first_cycle_s": sum(t["spec_first_cycle_s"] - t["spec_first_token_s"] for t in cycled) / len(cycled),
+        "spec_s_per_later_cycle": (sum(t["spec_s"] - t["spec_first_cycle_s"] for t in cycled) / later) if later else None,
+        "baseline_s_per_token": (sum(t["baseline_s"] for t in cycled if t.get("baseline_s") is not None) / base_tokens)
+        if base_tokens else None,
+    }
+
+
 def record_turn_seed(seed: int, index: int, turn: int) -> int:
     """The sampling seed of a turn: from the record's place in its set, not from where or with
     which other records it is decoded."""
@@ -362,6 +382,7 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
         "histogram": specdec.acceptance_histogram(lengths, block_size),
         "speedup": overall["speedup"],
         "cycle_target_steps": overall["cycle_target_steps"],
+        "turn_costs": turn_costs([t for s in sets for t in s.timed]),
         "speedup_turns": sum(s.timed_turns for s in sets),
         "block_size": block_size,
         "settings": settings,
@@ -395,9 +416,16 @@ def markdown_summary(result: dict) -> str:
         f"the first {s.get('speedup_turns')} turns of each set ({result.get('speedup_turns')} in all), both "
         "decoded in one process with no other decoding running; a speculative cycle cost "
         f"{fmt(result.get('cycle_target_steps'), '.2f')} target-only steps)")
-    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, {speedup}", "",
-              "Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%" for k, c in enumerate(result["histogram"])),
-              ""]
+    lines += ["", f"**tau {fmt(result['tau'], '.3f')}**, {speedup}", ""]
+    costs = result.get("turn_costs")
+    if costs:
+        ms = lambda v: fmt(None if v is None else 1e3 * v, ".2f")  # noqa: E731
+        lines += [f"A timed speculative turn ({costs['turns']}): {ms(costs['spec_first_token_s'])} ms to its first "
+                  f"token (prefill), {ms(costs['spec_first_cycle_s'])} ms more to the end of its first cycle, then "
+                  f"{ms(costs['spec_s_per_later_cycle'])} ms per cycle; target-only "
+                  f"{ms(costs['baseline_s_per_token'])} ms per token", ""]
+    lines += ["Acceptance lengths: " + ", ".join(f"{k + 1}: {100 * c / total:.1f}%"
+                                              for k, c in enumerate(result["histogram"])), ""]
     loops = [f"{name} {v['loop_turns']} of {v['num_turns']} (tau over cycles {fmt(v['loop_tau_cycles'], '.3f')} "
              f"there, {fmt(v['other_tau_cycles'], '.3f')} elsewhere)"
              for name, v in result["per_set"].items() if "loop_turns" in v]

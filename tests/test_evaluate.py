@@ -275,7 +275,8 @@ def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
 
 
 def _without_timings(doc: dict) -> dict:
-    timing = {"speedup", "baseline_s_per_token", "spec_s_per_token", "spec_s_per_cycle", "cycle_target_steps", "timed"}
+    timing = {"speedup", "baseline_s_per_token", "spec_s_per_token", "spec_s_per_cycle", "cycle_target_steps", "timed",
+              "turn_costs"}
     doc = {k: v for k, v in doc.items() if k not in timing | {"wall_s", "settings"}}
     doc["per_set"] = {name: {k: v for k, v in s.items() if k not in timing} for name, s in doc["per_set"].items()}
     return doc
@@ -330,6 +331,14 @@ def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
         assert sum(t["cycles"] for t in timed) * mine["spec_s_per_cycle"] == pytest.approx(sum(t["spec_s"] for t in timed))
         for t in timed:
             assert 0 < t["spec_first_token_s"] <= (t["spec_first_cycle_s"] or t["spec_s"]) <= t["spec_s"]
+        # Where the timed turns' seconds go, over both sets: first token, first cycle, later cycles.
+        costs = doc["turn_costs"]
+        every = [t for s in doc["per_set"].values() for t in s["timed"] if t["spec_first_cycle_s"] is not None]
+        assert costs["turns"] == len(every) > 0
+        spent = costs["turns"] * (costs["spec_first_token_s"] + costs["spec_first_cycle_s"]) + \
+            costs["spec_s_per_later_cycle"] * sum(t["cycles"] - 1 for t in every)
+        assert spent == pytest.approx(sum(t["spec_s"] for t in every))
+        assert "ms to its first token (prefill)" in evaluate.markdown_summary(doc)
     assert two["settings"]["workers"] == 2 and two["settings"]["stop_ids"] == one["settings"]["stop_ids"]
 
 
