@@ -424,15 +424,14 @@ class Decoder:
         captured cycle too instead of running the whole target eagerly once per prompt: the
         drafter's keys and values of all but the last min(L, B) prompt positions of each row
         (prompt length L = anchor) are written into its cache first, eagerly
-        (DFlashProposer.write_context); the last positions
-        become the first cycle's context [R, B, F] with its length. `longest`: max(anchor_R)
-        (a host int). Returns (context, lengths)."""
+        (DFlashProposer.write_context), and the last positions become the first cycle's
+        context [R, B, F] with its length. `longest`: max(anchor_R) as a host int (the write
+        reads up to column head + B = L of the longest row). Returns (context, lengths)."""
         B = int(self.proposer.block_size)
         keep_R = anchor_R.clamp(max=B)
         head_R = anchor_R - keep_R
-        width = max(int(longest) - B, 0) + B
-        if width > B:
-            self.proposer.write_context(token_R, head_R, context_RTF, width)
+        if longest > B:  # else every prompt fits in the first cycle's context
+            self.proposer.write_context(token_R, head_R, context_RTF, int(longest))
         T, F = context_RTF.shape[1:]
         index_RB = (head_R[:, None] + torch.arange(B, device=anchor_R.device)).clamp(max=T - 1)
         return context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F)), keep_R
