@@ -285,7 +285,10 @@ class Graphs:
         inside the capture could destroy an unreachable graph (a replaced step set's graphs
         reach their owner through their closures, a cycle only the collector frees), and
         destroying a graph while another is captured invalidates that capture (CUDA refuses
-        the call; the next kernel fails, cuBLAS's first). Collection resumes after it."""
+        the call; the next kernel fails, cuBLAS's first). Collection resumes after it. The
+        seconds counted start once the work already queued is done (that work is decoding's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         started = time.perf_counter()
         static = tuple(x.clone() for x in inputs)
         collecting = gc.isenabled()
@@ -302,7 +305,6 @@ class Graphs:
     def _record(self, fn, static):
         """The CUDA part of a capture: a warm-up run on a side stream (lazy inits, autotuning),
         then the capture into the shared pool. Returns (graph, outputs)."""
-        torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
