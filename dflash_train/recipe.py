@@ -105,12 +105,14 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
             f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {path}")
     else:
         log(f"dflash-train train: {path} already holds {have} regenerated conversations")
+    _release()
     cfg = load_config(None, plan.train_overrides())
     drafter = Path(cfg.output_dir) / "drafter"
     result = train(cfg, log)
     if result is None or Path(result).resolve() != drafter.resolve():
         log(f"dflash-train train: training stopped before its end; the same command resumes it ({cfg.output_dir})")
         return INTERRUPTED
+    _release()
     result = evaluate.evaluate(plan.target, str(drafter), list(EVAL_SETS), limit=plan.eval_limit,
                                max_new_tokens=plan.eval_max_new_tokens, temperature=0.0, device=plan.device,
                                speedup_turns=plan.speedup_turns, workers=plan.workers,
@@ -120,6 +122,18 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
     log("wrote " + ", ".join(str(p) for p in written))
     log(served_line(result, drafter))
     return 0
+
+
+def _release() -> None:
+    """Between stages: the last stage's engine and caches freed now (its captured graphs reach
+    their owners in cycles that only the collector frees), and their GPU memory returned."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def served_line(result: dict, drafter: Path) -> str:
