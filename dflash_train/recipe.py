@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_train.errors import INTERRUPTED
+from dflash_train.errors import INTERRUPTED, InputError
 
 QUALITY_TRAIN_ARGS: tuple[str, ...] = (
     "drafter.num_layers=5", "data.max_length=2048", "data.token_budget=16384", "data.max_batch_size=64",
@@ -28,6 +28,7 @@ QUALITY_TRAIN_ARGS: tuple[str, ...] = (
     "objective.weighting=dpace", "objective.loop_tails=skip",
 )
 EVAL_SETS = ("mt-bench", "humaneval", "gsm8k")
+MIN_GPU_GIB = 32.0  # the recipe's training peaked at 28.4 GiB on an H200 (docs/QUALITY.md)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,31 @@ class GpuDefault:
                 "checkpoint.keep=1", "checkpoint.keep_best=true"]
 
 
+def check_gpu_memory(total_bytes: int) -> None:
+    """The recipe's training needs about MIN_GPU_GIB of GPU memory: on a smaller GPU, say so and
+    how to run instead, before anything runs."""
+    gib = total_bytes / 2**30
+    if gib < MIN_GPU_GIB:
+        raise InputError(
+            f"the embedded default on a GPU runs the quality recipe, whose training needs about {MIN_GPU_GIB:g} GiB "
+            f"of GPU memory (it peaked at 28.4 GiB on an H200); this GPU has {gib:.1f} GiB. Run the smoke-sized "
+            f"default on it with `dflash-train train train.device=cuda`, or the recipe with smaller batches: "
+            f"scripts/quality_run.sh with a lower data.token_budget added to its TRAIN_ARGS (README 'The quality run')")
+
+
+def regen_rows(plan: GpuDefault, free_bytes: int, config) -> int:
+    """Rows the regeneration decodes at once: plan.regen_batch_size, or fewer (a multiple of 64)
+    where their key/value caches would take more than half of the free GPU memory."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    columns = plan.max_prompt_length + plan.max_new_tokens + 2
+    per_row = 2 * text.num_hidden_layers * heads * head_dim * columns * 2  # keys and values, bf16
+    fit = int(free_bytes // 2 // per_row)
+    rows = min(plan.regen_batch_size, max(1, fit))
+    return rows if rows < 64 else rows // 64 * 64
+
+
 def notice(plan: GpuDefault) -> str:
     """The first line of the embedded default on a GPU: what the run does."""
     return (f"dflash-train train: the embedded default on a GPU: the quality recipe at its 15-minute size "
@@ -91,13 +117,23 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
     from dflash_train.config import load_config
     from dflash_train.train import train
 
+    rows = plan.regen_batch_size
+    if plan.device == "cuda":
+        import torch
+        from transformers import AutoConfig
+
+        from dflash_train.target import resolve_target_path
+
+        free, total = torch.cuda.mem_get_info()
+        check_gpu_memory(total)
+        rows = regen_rows(plan, free, AutoConfig.from_pretrained(resolve_target_path(plan.target)))
     path = plan.regenerated_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     have = sum(1 for _ in open(path, "rb")) if path.is_file() else 0
     if have < plan.records:
         summary = regenerate.regenerate([str(plan.data or sharegpt_json())], plan.target, path,
                                         max_new_tokens=plan.max_new_tokens, temperature=plan.regen_temperature,
-                                        batch_size=plan.regen_batch_size, max_prompt_length=plan.max_prompt_length,
+                                        batch_size=rows, max_prompt_length=plan.max_prompt_length,
                                         device=plan.device, limit=plan.records - have, log=log)
         if summary.get("stopped"):
             return INTERRUPTED

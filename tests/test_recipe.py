@@ -59,6 +59,24 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert f"data.paths=[{path}]" in overrides and "checkpoint.keep_best=true" in overrides
 
 
+def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():
+    from transformers import AutoConfig
+
+    from dflash_train.errors import InputError
+    from dflash_train.target import resolve_target_path
+
+    recipe.check_gpu_memory(141 * 2**30)  # an H200
+    with pytest.raises(InputError) as err:
+        recipe.check_gpu_memory(24 * 2**30)
+    assert "this GPU has 24.0 GiB" in str(err.value) and "dflash-train train train.device=cuda" in str(err.value)
+    config = AutoConfig.from_pretrained(resolve_target_path(TINY))  # 4 layers, 2 key/value heads of 16
+    plan = GpuDefault(max_prompt_length=1022, max_new_tokens=0)  # 1,024 columns a row
+    per_row = 2 * 4 * 2 * 16 * 1024 * 2  # keys and values, layers, heads, head size, columns, bf16 bytes
+    assert recipe.regen_rows(plan, 10_000 * per_row, config) == 1024  # room to spare: the plan's rows
+    assert recipe.regen_rows(plan, 2 * 700 * per_row, config) == 640  # half the free memory, a multiple of 64
+    assert recipe.regen_rows(plan, 2 * 40 * per_row, config) == 40
+
+
 @pytest.mark.slow
 def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     """Regenerate 6 conversations, train 4 steps (validation walked every 2), serve 2 records of
