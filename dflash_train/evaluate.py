@@ -266,7 +266,8 @@ def turn_costs(timed: list[dict]) -> dict | None:
         "turns": len(cycled),
         "spec_first_token_s": sum(t["spec_first_token_s"] for t in cycled) / len(cycled),
         "spec_first_cycle_s": sum(t["spec_first_cycle_s"] - t["spec_first_token_s"] for t in cycled) / len(cycled),
-        "spec_s_per_later_cycle": (sum(t["spec_s"] - t["spec_first_cycle_s"] for t in cycled) / later) if later else None,
+        "spec_s_per_later_cycle": sum(t["spec_s"] - t["spec_first_cycle_s"] for t in cycled) / later
+        if later else None,
         "baseline_s_per_token": (sum(t["baseline_s"] for t in cycled if t.get("baseline_s") is not None) / base_tokens)
         if base_tokens else None,
     }
