@@ -232,6 +232,19 @@ def atomic_folder(out: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def atomic_write_lines(path: Path, lines) -> None:
+    """Write `lines` (strings, each ending in a newline) to `path` through a temporary file
+    beside it, flushed and fsynced, then renamed over it: a reader sees the old file or the
+    whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.writelines(lines)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 TINY_TARGET_LAYERS = 4
 
 

@@ -227,8 +227,7 @@ class SetResult:
             "num_cycles": len(lengths),
             "new_tokens": self.new_tokens,
             "histogram": specdec.acceptance_histogram(lengths, self.block_size),
-            **speedup_fields(self.baseline_seconds, self.baseline_tokens, self.spec_seconds, self.spec_tokens,
-                             self.spec_cycles),
+            **sets_speedup([self]),
             "speedup_turns": self.timed_turns,
             "timed": self.timed,
             "mismatched_turns": self.mismatched_turns if self.checked else None,
@@ -252,24 +251,30 @@ def speedup_fields(base_s: float, base_tokens: int, spec_s: float, spec_tokens: 
             "spec_s_per_cycle": per_cycle, "cycle_target_steps": per_cycle / base if per_cycle else None}
 
 
+def sets_speedup(sets: list["SetResult"]) -> dict:
+    """speedup_fields over the timed turns of several sets."""
+    total = lambda key: sum(getattr(s, key) for s in sets)  # noqa: E731
+    return speedup_fields(total("baseline_seconds"), total("baseline_tokens"), total("spec_seconds"),
+                          total("spec_tokens"), total("spec_cycles"))
+
+
 def turn_costs(timed: list[dict]) -> dict | None:
     """Where a timed speculative turn's seconds go, from the timed turns (SetResult.timed): its
     time to the first token (the prefill and its token choice), then to the end of its first
     cycle, then per later cycle (the steady cost); and the target-only seconds per token beside
-    them. None without timed speculative turns that ran a cycle."""
-    cycled = [t for t in timed if t.get("spec_first_cycle_s") is not None and t["cycles"] >= 1]
+    them (every timed turn was decoded both ways). None without timed turns that ran a cycle."""
+    cycled = [t for t in timed if t["spec_first_cycle_s"] is not None]
     if not cycled:
         return None
     later = sum(t["cycles"] - 1 for t in cycled)
-    base_tokens = sum(t["baseline_tokens"] for t in cycled if t.get("baseline_s") is not None)
+    base_tokens = sum(t["baseline_tokens"] for t in cycled)
     return {
         "turns": len(cycled),
         "spec_first_token_s": sum(t["spec_first_token_s"] for t in cycled) / len(cycled),
         "spec_first_cycle_s": sum(t["spec_first_cycle_s"] - t["spec_first_token_s"] for t in cycled) / len(cycled),
         "spec_s_per_later_cycle": sum(t["spec_s"] - t["spec_first_cycle_s"] for t in cycled) / later
         if later else None,
-        "baseline_s_per_token": (sum(t["baseline_s"] for t in cycled if t.get("baseline_s") is not None) / base_tokens)
-        if base_tokens else None,
+        "baseline_s_per_token": sum(t["baseline_s"] for t in cycled) / base_tokens if base_tokens else None,
     }
 
 
@@ -374,9 +379,7 @@ def combine(sets: list[SetResult], settings: dict) -> dict:
     block_size = sets[0].block_size
     lengths = [n for s in sets for t in s.turns() for n in t]
     taus = [v["tau"] for v in per_set.values() if not math.isnan(v["tau"])]
-    overall = speedup_fields(sum(s.baseline_seconds for s in sets), sum(s.baseline_tokens for s in sets),
-                             sum(s.spec_seconds for s in sets), sum(s.spec_tokens for s in sets),
-                             sum(s.spec_cycles for s in sets))
+    overall = sets_speedup(sets)
     return {
         "tau": sum(taus) / len(taus) if taus else float("nan"),
         "per_set": per_set,
@@ -643,10 +646,7 @@ def evaluate(target: str, drafter: str, prompts: list[str], *, limit: int | None
                 "eager_turns": min(eager_turns, timed) if eager is not None else 0}
     doc = combine(results, settings)
     if eager is not None:
-        doc["speedup_eager"] = speedup_fields(sum(s.baseline_seconds for s in eager),
-                                              sum(s.baseline_tokens for s in eager),
-                                              sum(s.spec_seconds for s in eager), sum(s.spec_tokens for s in eager),
-                                              sum(s.spec_cycles for s in eager))
+        doc["speedup_eager"] = sets_speedup(eager)
     doc["wall_s"] = {"decode": decode_s, "speedup": speedup_s, "eager": eager_s,
                      "capture": loaded[0].capture_seconds if loaded is not None else 0.0}
     return doc

@@ -61,8 +61,8 @@ class GpuDefault:
             return Path(self.regenerated)
         from dflash_train.assets import cache_root
 
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", self.target.removeprefix("bundled:")).strip("-")
-        data = "sharegpt" if self.data is None else re.sub(r"[^A-Za-z0-9._-]+", "-", Path(self.data).stem)
+        name = _slug(self.target.removeprefix("bundled:"))
+        data = "sharegpt" if self.data is None else _slug(Path(self.data).stem)
         return cache_root() / "regenerated" / (f"{name}-{data}-new{self.max_new_tokens}-prompt{self.max_prompt_length}"
                                                f"-t{self.regen_temperature:g}.jsonl")
 
@@ -74,6 +74,11 @@ class GpuDefault:
                 f"train.device={self.device}", f"data.validation={self.validation}", f"eval.every={self.eval_every}",
                 "eval.prompts=null", f"log.every={log_every}", f"checkpoint.every={self.eval_every}",
                 "checkpoint.keep=1", "checkpoint.keep_best=true"]
+
+
+def _slug(text: str) -> str:
+    """`text` as a file name part: runs of other characters than letters, digits, . _ - as one -."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
 
 def check_gpu_memory(total_bytes: int) -> None:

@@ -133,18 +133,14 @@ def read_ahead(out: Path, records: list[Record], done: int) -> dict[int, str]:
 def keep_ahead(out: Path, kept: dict[int, str], written: int) -> int:
     """Rewrite `out`'s ahead file (atomically) with the kept records not written yet (position >=
     `written`), or remove it when there are none. Returns how many it keeps."""
+    from dflash_train.assets import atomic_write_lines
+
     path = ahead_path(out)
     left = sorted(p for p in kept if p >= written)
     if not left:
         path.unlink(missing_ok=True)
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for position in left:
-            handle.write(json.dumps({"position": position, "line": kept[position]}, ensure_ascii=False) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_lines(path, (json.dumps({"position": p, "line": kept[p]}, ensure_ascii=False) + "\n" for p in left))
     return len(left)
 
 

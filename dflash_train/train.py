@@ -14,7 +14,6 @@ and checkpoint when it falls due.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,20 +115,14 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
             f"validation (data.validation={cfg.data.validation:g}; {measured}), {len(dataset)} samples for training")
     if limit and cfg.data.limit is not None and cfg.data.limit < len(dataset):
         dataset = dataset.select(range(cfg.data.limit))
-    if cfg.objective.loop_tails == "skip":
-        dataset = skip_loop_tails(dataset, log)
+    if cfg.objective.loop_tails == "skip":  # the training samples only: validation keeps every token
+        from dflash_train.data import LOOP_REPEATS, without_loop_tails
+
+        dataset, cut, supervised = without_loop_tails(dataset)
+        log(f"data: objective.loop_tails=skip: {cut} of {supervised} supervised tokens "
+            f"({100 * cut / max(1, supervised):.1f}%) lie in loops past their first {LOOP_REPEATS} periods "
+            "and are not supervised")
     return dataset, validation
-
-
-def skip_loop_tails(dataset, log=print):
-    """objective.loop_tails=skip: the training samples without their replies' loop tails
-    (data.without_loop_tails); the log line says how much that unsupervised."""
-    from dflash_train import data
-
-    dataset, cut, supervised = data.without_loop_tails(dataset)
-    log(f"data: objective.loop_tails=skip: {cut} of {supervised} supervised tokens ({100 * cut / max(1, supervised):.1f}%) "
-        "lie in loops past their first 3 periods and are not supervised")
-    return dataset
 
 
 VALIDATION_FILE = "validation.jsonl"
@@ -150,18 +143,18 @@ def write_validation_prompts(path: Path, validation, log=print) -> None:
         with open(path, encoding="utf-8") as f:
             if [json.loads(line).get("id") for line in f] == sources:
                 return
+    from dflash_train.assets import atomic_write_lines
+
     records = data.records_at(sources)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            turns = [m["content"] for m in record.messages if m["role"] == "user"]
-            entry = {"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages}
-            first = record.messages[0]
-            if first["role"] == "system":  # served as the walk renders it, not with the template's default
-                entry["system"] = first["content"]
-            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    entries = []
+    for record in records:
+        turns = [m["content"] for m in record.messages if m["role"] == "user"]
+        entry = {"id": f"{record.file}:{record.line}", "turns": turns, "messages": record.messages}
+        first = record.messages[0]
+        if first["role"] == "system":  # served as the walk renders it, not with the template's default
+            entry["system"] = first["content"]
+        entries.append(json.dumps(entry, ensure_ascii=False) + "\n")
+    atomic_write_lines(path, entries)
     missing = f"; {len(sources) - len(records)} not found in their files (moved or changed?)" \
         if len(records) < len(sources) else ""
     log(f"data: the {len(records)} held-out records -> {path} (eval --prompts / --walk read it){missing}")
