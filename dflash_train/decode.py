@@ -10,10 +10,10 @@ target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.p
 - Position masks (`causal_position_mask`, `target_masks`): a key at column k is visible to the
   query at position q when k <= q (and q - k < W in a sliding-window layer), so masks need no
   bookkeeping of holes.
-- `Graphs`: each step function (the target's one-token decode step and B-token verify step, the
-  drafter's block step) runs eagerly on CPU, and on CUDA is captured once per shape bucket
-  (rows x columns read) as a CUDA graph and replayed with fresh inputs copied into its static
-  ones: a small model's step costs kernel launches and host work, not GPU time, and a replay
+- `Graphs`: each step function (the target's one-token decode step and B-token verify step, its
+  prefill of up to PREFILL_GRAPH_ROWS rows, the drafter's block step and prompt context write)
+  runs eagerly on CPU, and on CUDA is captured once per shape bucket (rows x columns read) as a
+  CUDA graph and replayed with fresh inputs copied into its static ones: a small model's step costs kernel launches and host work, not GPU time, and a replay
   removes both. Eager and captured runs launch the same kernels, so they give the same numbers.
   Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
 - Token choice is sampling.py's `choose` (greedy, or position-hashed sampling), captured with
@@ -41,6 +41,7 @@ from dflash_train.sampling import choose
 # --------------------------------------------------------------------------- buckets
 
 MIN_WIDTH = 64
+PREFILL_GRAPH_ROWS = 8  # prefills of up to this many rows (a row bucket) replay a graph
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -325,9 +326,10 @@ class Graphs:
 
 
 class TargetSteps:
-    """The target's forwards on one StaticCache: prefill (eager, any shapes), the one-token
-    decode step and the B-token verify step (one Graphs key per row and width bucket). With
-    `taps`, the verify step (and prefill) also returns the tapped layers' features."""
+    """The target's forwards on one StaticCache: prefill (a Graphs key per row and width bucket
+    up to PREFILL_GRAPH_ROWS rows, eager at any shape above), the one-token decode step and the
+    B-token verify step (one Graphs key per row and width bucket). With `taps`, the verify step
+    (and prefill) also returns the tapped layers' features."""
 
     def __init__(self, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  taps=None, graphs: bool = True) -> None:
@@ -358,19 +360,41 @@ class TargetSteps:
                               past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
 
     def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds_R: torch.Tensor, features: bool = True):
-        """Prompts (1-D id tensors) into slots `slots`, in one eager forward (right-padded; a
-        padding key is overwritten by the row's own token at that column before any of the
-        row's queries can see it). Returns the first new token of each row [R] (chosen at
-        position len(prompt)), and with taps the features [R, P, F] of every prompt position
-        (right-padded)."""
+        """Prompts (1-D id tensors) into slots `slots`, in one forward (right-padded; a padding
+        token writes to the trash column and no real query sees it). Returns the first new token
+        of each row [R] (chosen at position len(prompt)), and with taps the features [R, P', F]
+        of every prompt position (right-padded to P' >= the longest prompt).
+
+        A prefill of at most PREFILL_GRAPH_ROWS rows (a row bucket) is padded to its row and
+        width buckets and runs as one step function, replayed from a graph per bucket once the
+        cache's buffers exist (the first prefill allocates them): at batch 1 an eager forward
+        of a small target costs its launches, many times a replay. Eager or captured, the same
+        padded shapes, so the same numbers. Larger prefills (regeneration's refills) run
+        eagerly at their own length."""
         R, P = len(prompts), max(len(p) for p in prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        Rb = pick(R, self.rows)
+        if Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
+            Pb = pick(P, self.widths)
+            ids_RP = torch.zeros(Rb, Pb, dtype=torch.long, device=self.device)
+            for i, p in enumerate(prompts):
+                ids_RP[i, : len(p)] = p.to(self.device)
+            last_R = torch.cat([lengths - 1, lengths.new_full((Rb - R,), -1)])
+            pos_RP = torch.arange(Pb, device=self.device).expand(Rb, Pb)
+            pos_RP = torch.where(pos_RP <= last_R[:, None], pos_RP, -1)  # padding: written to the trash column
+            # Padding rows (no token: every position in the trash column) reuse the first slot.
+            inputs = (ids_RP, pos_RP, torch.cat([slots, slots[:1].expand(Rb - R)]), last_R.clamp(min=0),
+                      torch.cat([seeds_R, seeds_R.new_zeros(Rb - R)]))
+            fn = self._prefill_fn(Pb)
+            first, *feats = self.graphs.run(("prefill", Rb, Pb), fn, *inputs) if self.cache.keys else fn(*inputs)
+            # Copied out: a graph's outputs are rewritten by its next replay, and by the replay of
+            # a graph captured before it into the same pool.
+            return first[:R].clone(), (feats[0][:R].clone() if feats and features else None)
         ids_RP = torch.zeros(R, P, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids_RP[i, : len(p)] = p.to(self.device)
         pos_RP = torch.arange(P, device=self.device).expand(R, P)
-        last = (lengths - 1)[:, None]
-        pos_RP = torch.where(pos_RP <= last, pos_RP, -1)  # padding: written to the trash column
+        pos_RP = torch.where(pos_RP <= (lengths - 1)[:, None], pos_RP, -1)  # padding: written to the trash column
         # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
         keep = sorted(set((lengths - 1).tolist()))
         logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=torch.tensor(keep, device=self.device),
@@ -380,6 +404,31 @@ class TargetSteps:
         first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
         feats = self.taps.features() if self.taps is not None else None
         return first_R, (feats if features else None)
+
+    def capture_prefill(self, rows: int, width: int) -> None:
+        """Capture the prefill graph of `rows` rows (a row bucket) padded to `width` (a width
+        bucket), ahead of its first use: a dummy one-token prompt in slots 0..rows-1, whose
+        only writes are column 0 and the trash column (every prefill rewrites its own columns)."""
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
+        pos_RP = torch.full((rows, width), -1, dtype=torch.long, device=self.device)
+        pos_RP[:, 0] = 0
+        self.graphs.run(("prefill", rows, width), self._prefill_fn(width), torch.zeros_like(pos_RP), pos_RP,
+                        torch.arange(rows, device=self.device), zeros, zeros)
+
+    def _prefill_fn(self, width: int):
+        """The captured prefill of `width` padded positions per row: each row's logits at its
+        own last position only (logits_to_keep = the rows' last positions, [R, R, V] kept, the
+        diagonal read: R <= PREFILL_GRAPH_ROWS)."""
+        causal = not has_sliding_layers(self.model.config)
+
+        def fn(ids_RP, pos_RP, slots_R, last_R, seeds_R):
+            logits = self._forward(ids_RP, pos_RP, width, row_index=slots_R, logits_to_keep=last_R, causal=causal)
+            rows = torch.arange(ids_RP.shape[0], device=ids_RP.device)
+            first_R = choose(logits[rows, rows][:, None], (last_R + 1)[:, None], seeds_R, self.temperature,
+                             self.top_p)[:, 0]
+            feats = self.taps.features() if self.taps is not None else None
+            return (first_R,) if feats is None else (first_R, feats)
+        return fn
 
     def _decode_fn(self, width: int):
         def fn(token_R, pos_R, seeds_R):

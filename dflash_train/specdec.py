@@ -35,8 +35,8 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_train.decode import (Graphs, SlotDecoder, StaticCache, TargetSteps, causal_position_mask, pick,
-                                 row_buckets, width_buckets)
+from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps, causal_position_mask,
+                                 pick, row_buckets, width_buckets)
 from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.loss import accepted_run_length
 from dflash_train.sampling import choose
@@ -170,8 +170,24 @@ class DFlashProposer:
         context_RTF[i, :end_R[i]]) into its cache, ahead of the block steps: one drafter forward
         anchored at end_R, whose block's keys land on columns end_R .. end_R + B - 1 (the next
         block step's context overwrites them before anything reads them). Not a block step: it
-        proposes nothing."""
-        self._block_fn(width)(anchor_token_R, end_R, context_RTF, end_R)
+        proposes nothing. `width`: at least max(end_R) + B. Up to PREFILL_GRAPH_ROWS rows (a
+        prompt's first cycle at batch 1) it runs padded to its row and width buckets (padding
+        rows anchored at 0 with no context, in free slots), replayed from a graph per (rows,
+        context length, width) once the cache's buffers exist; eager at its own shape above."""
+        R, T = context_RTF.shape[:2]
+        inputs = (anchor_token_R, end_R, context_RTF, end_R)
+        Rb = pick(R, self.rows) if self.rows else R
+        if not self.widths or Rb > PREFILL_GRAPH_ROWS or width > self.widths[-1]:
+            self._block_fn(width)(*inputs)
+            return
+        W = pick(int(width), self.widths)
+        if Rb > R:
+            inputs = tuple(torch.cat([t, t.new_zeros(Rb - R, *t.shape[1:])]) for t in inputs)
+        fn = self._block_fn(W)
+        if self.ready:
+            self.graphs.run(("context", Rb, T, W), fn, *inputs)
+        else:
+            fn(*inputs)
 
     @property
     def ready(self) -> bool:
@@ -329,10 +345,11 @@ class Decoder:
     @torch.inference_mode()
     def capture(self, rows: int = 1, capacity: int = 0) -> None:
         """Capture, ahead of time, every graph a call of up to `rows` rows within `capacity`
-        positions can replay (on CUDA with graphs on; nothing otherwise). The inputs are dummies
-        that write only where nothing reads before it is written again (the trash column; the
-        first block columns of both caches, which every sequence's prefill and first cycle
-        rewrite)."""
+        positions can replay (on CUDA with graphs on; nothing otherwise): the prefills and the
+        prompt context writes of up to PREFILL_GRAPH_ROWS rows, the decode steps and the cycles
+        (or verify steps). The inputs are dummies that write only where nothing reads before it
+        is written again (the trash column; column 0 and the first block columns of both caches,
+        which every sequence's prefill and first cycle rewrite)."""
         self._fit(rows, capacity)
         if not self.target.graphs.enabled:
             return
@@ -351,6 +368,10 @@ class Decoder:
             pos = torch.full((R,), -1, dtype=torch.long, device=device)
             for W in steps.widths:
                 steps.decode(zeros, pos, zeros, W - 1)
+                if R <= PREFILL_GRAPH_ROWS:
+                    steps.capture_prefill(R, W)
+                if fused and R <= PREFILL_GRAPH_ROWS and W > B:  # a prompt's context, written ahead
+                    proposer.write_context(zeros, zeros, features.new_zeros(R, W, features.shape[-1]), W)
                 if proposer is None:
                     continue
                 if fused and W >= B:  # dummies: anchored at 0 with no context (columns 0..B-1)
@@ -430,11 +451,12 @@ class Decoder:
         B = int(self.proposer.block_size)
         keep_R = anchor_R.clamp(max=B)
         head_R = anchor_R - keep_R
-        if longest > B:  # else every prompt fits in the first cycle's context
-            self.proposer.write_context(token_R, head_R, context_RTF, int(longest))
         T, F = context_RTF.shape[1:]
         index_RB = (head_R[:, None] + torch.arange(B, device=anchor_R.device)).clamp(max=T - 1)
-        return context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F)), keep_R
+        first_RBF = context_RTF.gather(1, index_RB[:, :, None].expand(-1, -1, F))
+        if longest > B:  # else every prompt fits in the first cycle's context
+            self.proposer.write_context(token_R, head_R, context_RTF, int(longest))
+        return first_RBF, keep_R
 
     def _speculate_fused(self, outs, accepted, lengths, token_R, anchor_R, context_RTF, seeds_R, stop,
                          max_new_tokens, started, captured, marks) -> list[Generation]:

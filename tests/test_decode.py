@@ -178,6 +178,91 @@ def test_a_capture_never_destroys_an_unreachable_graph():
         (gc.enable if was else gc.disable)()
 
 
+class _Replayed:
+    """A stand-in for a CUDA graph with a graph's data semantics: a replay runs the step again on
+    its static inputs and writes the results into its static outputs in place; then, as a graph
+    whose freed intermediates later captures of the same pool took would, it scribbles over the
+    outputs of every graph captured after it."""
+
+    def __init__(self, graphs, fn, static, outputs):
+        self.graphs, self.fn, self.static, self.outputs = graphs, fn, static, outputs
+
+    def replay(self):
+        for out, new in zip(self.outputs, self.fn(*self.static)):
+            out.copy_(new)
+        entries = list(self.graphs.entries.values())
+        mine = next(i for i, e in enumerate(entries) if e.graph is self)
+        for later in entries[mine + 1:]:
+            for out in later.outputs:
+                out.fill_(float("nan") if out.is_floating_point() else -(2**40))
+
+
+class _SimulatedGraphs(Graphs):
+    """Graphs on CPU with _Replayed standing in for CUDA graphs: the engine's graph paths
+    (buckets, padding rows, static inputs and outputs) run and are checked on CPU."""
+
+    def __post_init__(self):
+        self.enabled, self.pool = True, None
+
+    def _record(self, fn, static):
+        outputs = tuple(fn(*static))
+        return _Replayed(self, fn, static, outputs), outputs
+
+
+def _sliding_target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=5, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "sliding"])
+def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
+    """Every step the engine captures on a GPU (prefills of up to PREFILL_GRAPH_ROWS rows padded
+    to a width bucket, the prompt context written ahead, decode steps, fused cycles), run through
+    simulated graphs on CPU: target-only and speculative outputs equal transformers' greedy
+    output and the eager engine's, acceptance lengths included, at batch 1 and for several rows
+    (with padding rows), for a plain and a sliding-window target."""
+    from conftest import tiny_drafter
+    from dflash_train import decode, specdec
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+
+    model = tiny_target if kind == "llama" else _sliding_target()
+    drafter = (tiny_drafter(num_layers=2, block_size=4, num_taps=3) if kind == "llama" else
+               DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=4, num_taps=2,
+                                                  mask_token_id=127)).eval())
+    ps = prompts([1, 6, 29, 13, 70], seed=3)
+    refs = [hf_greedy(model, p, 20) for p in ps]
+    eager = Decoder(model, DFlashProposer.for_target(drafter, model, graphs=False), graphs=False)
+    want = [eager.speculate([p], 20)[0] for p in ps]
+    assert [w.output_ids for w in want] == refs
+    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
+    monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
+    engine = Decoder(model, DFlashProposer.for_target(drafter, model))
+    engine.capture(rows=1, capacity=128)
+    assert {("prefill", 1, 64), ("prefill", 1, 96), ("decode", 1, 64), ("cycle", 1, 96)} <= set(engine.target.graphs.entries)
+    assert ("context", 1, 64, 64) in engine.proposer.graphs.entries
+    captured = engine.target.graphs.num_captured + engine.proposer.graphs.num_captured
+    for _ in range(2):  # the second time every step replays
+        assert [engine.generate([p], 20)[0].output_ids for p in ps] == refs
+        got = [engine.speculate([p], 20)[0] for p in ps]
+        assert [(g.output_ids, g.acceptance_lengths) for g in got] == [(w.output_ids, w.acceptance_lengths) for w in want]
+    assert engine.target.graphs.num_captured + engine.proposer.graphs.num_captured == captured, \
+        "batch 1 within the captured capacity replays what capture() captured"
+    for n in (5, 3, 5):  # the engine grows to 5 rows (an eager first prefill), then 3 rows pad to 4
+        assert [g.output_ids for g in engine.generate(ps[:n], 20)] == refs[:n]
+        batched = engine.speculate(ps[:n], 20)
+        assert [(g.output_ids, g.acceptance_lengths) for g in batched] == \
+            [(w.output_ids, w.acceptance_lengths) for w in want[:n]]
+    assert {("prefill", 4, 64), ("prefill", 5, 96)} <= set(engine.target.graphs.entries)
+    assert {("context", 4, 64, 64), ("context", 5, 96, 96)} <= set(engine.proposer.graphs.entries)
+    engine.close()
+    eager.close()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows):
     """More requests than rows, of different lengths and budgets, one ending on a stop token:
@@ -264,8 +349,9 @@ def cuda_target():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_steps_equal_eager_steps(cuda_target, dtype):
-    """The same decode and verify steps, captured and eager, on identical caches: identical
-    tokens, acceptance counts and features (the graph replays the eager kernels)."""
+    """The same prefill, decode and verify steps, captured and eager, on identical caches:
+    identical tokens, acceptance counts and features (the graph replays the eager kernels; the
+    captured prefill is padded to its width bucket, and no real position sees the padding)."""
     from dflash_train.target import LayerTaps
 
     model = copy.deepcopy(cuda_target).to(dtype)
@@ -275,7 +361,8 @@ def test_captured_steps_equal_eager_steps(cuda_target, dtype):
             steps = TargetSteps(model, 4, 96, taps=taps, graphs=graphs)
             ps = [torch.tensor(p) for p in prompts([5, 17, 9], seed=7)]
             seeds = torch.arange(3, device="cuda")
-            first, feats = steps.prefill(torch.arange(3, device="cuda"), ps, seeds)
+            steps.prefill(torch.arange(1, device="cuda"), ps[:1], seeds[:1])  # allocates the cache: eager
+            first, feats = steps.prefill(torch.arange(3, device="cuda"), ps, seeds)  # 3 rows of 4: captured
             pos = torch.tensor([5, 17, 9], device="cuda")
             tokens = [first]
             for _ in range(6):
@@ -284,7 +371,7 @@ def test_captured_steps_equal_eager_steps(cuda_target, dtype):
             block = torch.stack([tokens[-1]] + tokens[1:4], dim=1)
             chosen, acc, f = steps.verify(block, pos[:, None] + torch.arange(4, device="cuda"), seeds, int(pos.max()) + 3)
             outs.append((torch.stack(tokens), chosen.clone(), acc.clone(), f.clone(), feats))
-            assert steps.graphs.num_captured == (2 if graphs else 0)
+            assert steps.graphs.num_captured == (3 if graphs else 0)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
