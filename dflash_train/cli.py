@@ -103,7 +103,7 @@ def run_export(args) -> int:
 def add_data_commands(commands) -> None:
     from dflash_train import data, regenerate
 
-    data_parser = commands.add_parser("data", help="prepare or regenerate chat data")
+    data_parser = commands.add_parser("data", help="prepare, regenerate or make chat data")
     data_commands = data_parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
 
     prepare = data_commands.add_parser(
@@ -149,6 +149,21 @@ def add_data_commands(commands) -> None:
     add_workers_argument(regen, "regenerate chunks", "target copy", "the output equals --workers 1's")
     add_server_arguments(regen)
     regen.set_defaults(func=regenerate.run_regenerate)
+
+    from dflash_train import sources
+
+    source = data_commands.add_parser(
+        "source", help="write chat records of an offline prompt source (code, arithmetic) to regenerate")
+    source.add_argument("--source", required=True, choices=tuple(sources.SOURCES),
+                        help="python-functions: documented functions of this Python's standard library "
+                        "(signature and docstring -> the function); word-problems: arithmetic word problems "
+                        "generated from --seed (question -> worked solution)")
+    source.add_argument("--out", required=True, metavar="FILE", help="JSONL output (ShareGPT records)")
+    source.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="the first N records (python-functions: all by default; word-problems needs it)")
+    source.add_argument("--seed", type=int, default=0, help="the order of python-functions, the problems of "
+                        "word-problems (default %(default)s)")
+    source.set_defaults(func=sources.run_source)
 
 
 def add_server_arguments(parser) -> None:

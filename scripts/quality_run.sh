@@ -6,9 +6,9 @@
 #
 #   scripts/quality_run.sh                                   # one GPU: the full run
 #   TRAIN_GPUS=2 scripts/quality_run.sh                      # training on 2 GPUs
-#   TARGET=bundled:tiny-random-llama NUM_RECORDS=6 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 TRAIN_ARGS= REGEN_ARGS="--temperature 5" \
-#     VALIDATION=2 EVAL_EVERY=2 EVAL_LIMIT=2 EVAL_MAX_NEW_TOKENS=16 EVAL_BATCH_SIZE=2 DEVICE=cpu WORKERS=2 \
-#     OUT=/tmp/qr scripts/quality_run.sh                     # CPU smoke test
+#   TARGET=bundled:tiny-random-llama NUM_RECORDS=6 SOURCES=word-problems:3 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 \
+#     TRAIN_ARGS= REGEN_ARGS="--temperature 5" VALIDATION=2 EVAL_EVERY=2 EVAL_LIMIT=2 EVAL_MAX_NEW_TOKENS=16 \
+#     EVAL_BATCH_SIZE=2 DEVICE=cpu WORKERS=2 OUT=/tmp/qr scripts/quality_run.sh   # CPU smoke test
 #
 # Knobs (environment variables; defaults in brackets):
 #   TARGET [bundled:smollm2-135m-instruct]   target model folder or bundled name
@@ -25,9 +25,12 @@
 #   REGEN_WORKERS [1]                        regeneration processes (one engine keeps a GPU busy)
 #   REGEN_ARGS []                            more `data regenerate` options (the smoke test samples:
 #                                            the random tiny target answers blank lines below T~5)
-#   TRAIN_STEPS [2600]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
-#                                            schedule follows TRAIN_STEPS (2,600 steps took
-#                                            457 s on one H200 on 7K conversations)
+#   SOURCES []                               offline prompt sources to regenerate and train on too,
+#                                            "name:count ...", e.g. "python-functions:3000
+#                                            word-problems:4000" (`dflash-train data source`)
+#   TRAIN_STEPS [3300]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
+#                                            schedule follows TRAIN_STEPS (3,300 steps took
+#                                            587 s on one H200 on all 17K conversations)
 #   TRAIN_ARGS [the measured recipe]         section.key=value overrides for `train` (recipe.py's
 #                                            QUALITY_TRAIN_ARGS: 5 layers,
 #                                            16K-token batches, 512 anchors, lr 1e-3, compiled
@@ -63,7 +66,8 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1024}"
 REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-1024}"
 REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
-TRAIN_STEPS="${TRAIN_STEPS:-2600}"
+SOURCES="${SOURCES:-}"
+TRAIN_STEPS="${TRAIN_STEPS:-3300}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
 TRAIN_ARGS="${TRAIN_ARGS-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_TRAIN_ARGS; print(*QUALITY_TRAIN_ARGS)')}"  # empty: none
 TRAIN_GPUS="${TRAIN_GPUS:-1}"
@@ -112,6 +116,27 @@ else
 fi
 echo "== regenerated: $(wc -l < "$REGEN") records in $REGEN"
 
+# (a') offline prompt sources (SOURCES="name:count ..."): written by `data source`, regenerated
+# the same way (resumed), trained on beside the chats
+TRAIN_DATA="$REGEN" SOURCES_S=0
+for item in $SOURCES; do
+  name="${item%%:*}" count="${item#*:}"
+  [[ "$name" != "$item" && "$count" =~ ^[0-9]+$ ]] || { echo "SOURCES: $item is not name:count"; exit 2; }
+  prompts="$OUT/source-$name.jsonl" answered="$OUT/regenerated-$name.jsonl"
+  [[ -f "$prompts" ]] || "${CLI[@]}" data source --source "$name" --limit "$count" --out "$prompts"
+  have=0
+  [[ -f "$answered" ]] && have="$(wc -l < "$answered")"
+  if (( have < $(wc -l < "$prompts") )); then
+    # shellcheck disable=SC2086  # REGEN_ARGS is a list of options
+    stage "regenerate_$name" "${CLI[@]}" data regenerate --data "$prompts" --target "$TARGET" --out "$answered" \
+      --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-length "$MAX_PROMPT_LENGTH" --batch-size "$REGEN_BATCH_SIZE" \
+      --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS
+  fi
+  echo "== regenerated: $(wc -l < "$answered") records in $answered"
+  TRAIN_DATA="$TRAIN_DATA,$answered"
+  SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_$name]:-0}" 'BEGIN { printf "%.1f", a + b }')"
+done
+
 # (b) training: the embedded default drafter (block 16) on the regenerated chats
 TRAIN_CLI=("${CLI[@]}")
 if (( TRAIN_GPUS > 1 )); then
@@ -120,7 +145,7 @@ fi
 LOG_EVERY=10
 while (( EVAL_EVERY % LOG_EVERY )); do LOG_EVERY=$((LOG_EVERY - 1)); done  # eval.every: a multiple of log.every
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
-stage train "${TRAIN_CLI[@]}" train --output-dir "$OUT/train" "data.paths=[$REGEN]" "target.path=$TARGET" \
+stage train "${TRAIN_CLI[@]}" train --output-dir "$OUT/train" "data.paths=[$TRAIN_DATA]" "target.path=$TARGET" \
   "train.max_steps=$TRAIN_STEPS" "train.max_time_s=$TRAIN_TIME_S" "train.device=$DEVICE" \
   "data.validation=$VALIDATION" "eval.every=$EVAL_EVERY" eval.prompts=null "log.every=$LOG_EVERY" \
   "checkpoint.every=$EVAL_EVERY" checkpoint.keep=1 checkpoint.keep_best=true $TRAIN_ARGS
@@ -149,7 +174,7 @@ print(f"== validation: walked tau {walked:.3f}, served tau {served:.3f} (walked 
 PY
 
 cat > "$OUT/timings.json" <<JSON
-{"regenerate_s": ${SECONDS_OF[regenerate]}, "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
+{"regenerate_s": ${SECONDS_OF[regenerate]}, "regenerate_sources_s": $SOURCES_S, "sources": "$SOURCES", "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
  "walk_validation_s": ${SECONDS_OF[walk_validation]}, "serve_validation_s": ${SECONDS_OF[serve_validation]},
  "regen_time_s": $REGEN_TIME_S, "validation": $VALIDATION, "eval_every": $EVAL_EVERY, "val_limit": $VAL_LIMIT,
  "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "max_prompt_length": $MAX_PROMPT_LENGTH,

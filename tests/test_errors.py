@@ -153,6 +153,12 @@ ROWS = [
     ("regenerate-batch-size-0", regenerate("--batch-size", "0"), BAD_INPUT, "batch_size=0", True),
     ("regenerate-unwritable-out", regenerate(out="/proc/nope/regen.jsonl"), BAD_INPUT,
      "--out /proc/nope/regen.jsonl: cannot write in /proc", True),
+    # data source
+    ("source-word-problems-without-limit", plain("data", "source", "--source", "word-problems", "--out",
+                                                 "{tmp}/wp.jsonl"), BAD_INPUT, "give --limit N", True),
+    ("source-unwritable-out", plain("data", "source", "--source", "word-problems", "--limit", "3", "--out",
+                                    "/proc/nope/wp.jsonl"), BAD_INPUT, "--out /proc/nope/wp.jsonl: cannot write in /proc",
+     True),
     # eval
     ("eval-limit-0", evaluate("--limit", "0"), BAD_INPUT, "--limit must be >= 1", True),
     ("eval-drafter-is-the-target", evaluate(drafter="{w.target}"), BAD_INPUT, "not a DFlash drafter folder", True),
@@ -230,7 +236,8 @@ def test_a_user_mistake_exits_with_one_clear_message(name, argv, status, fragmen
 
 def test_the_table_covers_every_command_and_the_contract():
     assert len(IDS) >= 25 and len(set(IDS)) == len(IDS)
-    assert {i.split("-")[0] for i in IDS} >= {"train", "export", "prepare", "regenerate", "eval", "bench", "plot"}
+    assert {i.split("-")[0] for i in IDS} >= {"train", "export", "prepare", "regenerate", "source", "eval", "bench",
+                                               "plot"}
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

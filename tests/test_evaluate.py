@@ -407,7 +407,7 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     train and evaluate with the tiny random target; every stage's output and the timings exist.
     Keeps the script's defaults and knobs working with the CLI they call."""
     header = (ROOT / "scripts" / "quality_run.sh").read_text()
-    settings = {"TARGET": TINY, "NUM_RECORDS": "6", "MAX_NEW_TOKENS": "8",
+    settings = {"TARGET": TINY, "NUM_RECORDS": "6", "SOURCES": "word-problems:3", "MAX_NEW_TOKENS": "8",
                 "TRAIN_STEPS": "4", "TRAIN_ARGS": "", "REGEN_ARGS": "--temperature 5", "VALIDATION": "2",
                 "EVAL_EVERY": "2", "EVAL_LIMIT": "2", "EVAL_MAX_NEW_TOKENS": "16", "EVAL_BATCH_SIZE": "2",
                 "DEVICE": "cpu", "WORKERS": "2"}
@@ -419,6 +419,9 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
                           env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sum(1 for _ in open(out / "regenerated.jsonl")) == 6
+    assert sum(1 for _ in open(out / "regenerated-word-problems.jsonl")) == 3  # SOURCES, trained on too
+    config = (out / "train" / "config.yaml").read_text()
+    assert "regenerated-word-problems.jsonl" in config
     assert (out / "train" / "drafter" / "config.json").is_file()
     records = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "walked_tau" in r] == [2, 4]  # the validation walked every 2 steps
@@ -435,5 +438,6 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     assert all(v["mismatched_turns"] == 0 for v in result["per_set"].values())  # float32 on CPU: lossless
     timings = json.loads((out / "timings.json").read_text())
     assert timings["train_steps"] == 4 and timings["train_gpus"] == 1 and timings["train_s"] > 0
+    assert timings["sources"] == "word-problems:3" and timings["regenerate_sources_s"] > 0
     assert timings["walk_validation_s"] > 0 and timings["serve_validation_s"] > 0
     assert (out / "eval.md").is_file() and (out / "eval.png").is_file()

@@ -1,0 +1,352 @@
+"""Offline prompt sources: chat records made from what every machine has, for `data regenerate`
+to answer with the target (docs/DATA.md, "Prompt sources").
+
+A drafter serves the kinds of text it was trained on: the fourth quality measurement's drafter,
+trained on regenerated ShareGPT, walked 5.85 on held-out ShareGPT and served 2.7 on code and
+arithmetic prompts (docs/QUALITY.md), which ShareGPT holds little of. These sources add such
+prompts without a download and without any evaluation set:
+
+- `python-functions`: functions of the running Python's standard library that have a docstring.
+  The prompt is the function's signature and docstring, as a request to implement it (one of a
+  few wordings); the reference reply is the function's own source.
+- `word-problems`: arithmetic word problems generated from a seed (shopping, change, sharing,
+  rates, discounts, ages, production, distances, savings, fractions of a group), two to four
+  steps each; the reference reply is a worked solution ending in its answer.
+
+Records are ShareGPT JSONL lines (`id`, `source`, `conversations`: one human turn, one gpt turn)
+that every reader here takes as chat data; `data regenerate` replaces the reference reply with
+the target's. A record depends only on (source, seed, position) and, for python-functions, on the
+standard library of the Python that runs it (its version is in every id).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sys
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dflash_train.errors import InputError, output_file_problem
+
+# Parts of the standard library that are not library code a user writes (tests, demos, IDLE,
+# vendored installers, generated tables), or whose functions are mostly private plumbing.
+SKIPPED_PARTS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "dist-packages", "lib2to3", "ensurepip",
+                 "pydoc_data", "encodings", "__pycache__", "__phello__", "venv"}
+MIN_LINES, MAX_LINES = 4, 60  # a function's lines, signature and docstring included
+MIN_DOC_CHARS = 20
+MAX_FILE_BYTES = 400_000
+
+CODE_WORDINGS = (
+    "Implement the following Python function.\n\n```python\n{code}\n```",
+    "Complete this Python function so that it does what its docstring says:\n\n```python\n{code}\n```",
+    "Write the body of the function below.\n\n```python\n{code}\n```",
+    "Here is the signature and docstring of a Python function. Write the full function.\n\n```python\n{code}\n```",
+    "```python\n{code}\n```\nFinish the implementation of `{name}`.",
+)
+METHOD_NOTE = "\n\n`{name}` is a method of the class `{owner}` in the `{module}` module."
+
+
+@dataclass(frozen=True)
+class Function:
+    module: str
+    qualname: str
+    owner: str | None  # the class of a method
+    prompt_code: str  # decorators, signature and docstring
+    source: str  # the whole function
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _library_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts[:-1])
+        if parts & SKIPPED_PARTS or path.name.startswith(("test_", "_test")):
+            continue
+        try:
+            if path.stat().st_size <= MAX_FILE_BYTES:
+                files.append(path)
+        except OSError:
+            continue
+    return files
+
+
+def _is_stub(body: list[ast.stmt]) -> bool:
+    """Whether what follows the docstring does nothing worth writing: pass, ..., or a bare raise."""
+    if len(body) != 1:
+        return False
+    stmt = body[0]
+    return (isinstance(stmt, ast.Pass) or isinstance(stmt, ast.Raise)
+            or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)))
+
+
+def _function(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, module: str,
+              owner: str | None) -> Function | None:
+    doc = ast.get_docstring(node)
+    if node.name.startswith("_") or not doc or len(doc.strip()) < MIN_DOC_CHARS:
+        return None
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    end = node.end_lineno or node.lineno
+    rest = node.body[1:]
+    if not MIN_LINES <= end - start + 1 <= MAX_LINES or not rest or _is_stub(rest):
+        return None
+    doc_end = node.body[0].end_lineno or node.body[0].lineno
+    prompt = textwrap.dedent("".join(lines[start - 1: doc_end]))
+    source = textwrap.dedent("".join(lines[start - 1: end]))
+    if "\t" in source:  # mixed indentation dedents badly; rare in the standard library
+        return None
+    qualname = f"{owner}.{node.name}" if owner else node.name
+    return Function(module, qualname, owner, prompt.rstrip() + "\n", source.rstrip() + "\n")
+
+
+def library_functions(root: Path | None = None) -> list[Function]:
+    """The documented public functions and methods (one class level) of the library under
+    `root` (the standard library), in file and source order."""
+    root = root or stdlib_root()
+    found: list[Function] = []
+    for path in _library_files(root):
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        lines = text.splitlines(keepends=True)
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                candidates = [(node, None)]
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                candidates = [(n, node.name) for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            else:
+                continue
+            for fn, owner in candidates:
+                f = _function(lines, fn, module, owner)
+                if f is not None:
+                    found.append(f)
+    return found
+
+
+def python_function_records(seed: int = 0, root: Path | None = None) -> Iterator[dict]:
+    """Every documented function as a record, in an order shuffled by `seed`."""
+    functions = library_functions(root)
+    rng = random.Random(seed)
+    rng.shuffle(functions)
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    for f in functions:
+        wording = rng.choice(CODE_WORDINGS)
+        prompt = wording.format(code=f.prompt_code.rstrip("\n"), name=f.qualname.split(".")[-1])
+        if f.owner:
+            prompt += METHOD_NOTE.format(name=f.qualname.split(".")[-1], owner=f.owner, module=f.module)
+        reply = f"```python\n{f.source.rstrip()}\n```"
+        yield _record(f"python-functions/{version}/{f.module}.{f.qualname}", "python-functions", prompt, reply)
+
+
+# --------------------------------------------------------------------------- word problems
+
+NAMES = ("Ava", "Ben", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hassan", "Isla", "Jonas", "Kira", "Liam", "Maya",
+         "Noah", "Olivia", "Priya", "Quinn", "Rosa", "Samir", "Tara", "Umar", "Vera", "Wei", "Ximena", "Yusuf", "Zoe")
+PRONOUNS = {"Ava": "she", "Ben": "he", "Chloe": "she", "Daniel": "he", "Emma": "she", "Felix": "he", "Grace": "she",
+            "Hassan": "he", "Isla": "she", "Jonas": "he", "Kira": "she", "Liam": "he", "Maya": "she", "Noah": "he",
+            "Olivia": "she", "Priya": "she", "Quinn": "they", "Rosa": "she", "Samir": "he", "Tara": "she", "Umar": "he",
+            "Vera": "she", "Wei": "he", "Ximena": "she", "Yusuf": "he", "Zoe": "she"}
+GOODS = ("notebook", "pencil", "apple", "sandwich", "ticket", "candle", "plant", "bottle of juice", "box of tea",
+         "comic book", "pair of socks", "bag of rice")
+THINGS = ("marbles", "stickers", "cookies", "stamps", "seashells", "crayons", "beads", "trading cards")
+SUFFIXES = ("", "", "\nShow your work.", "\nExplain each step.", "\nThink it through step by step.",
+            "\nGive the final answer at the end.")
+
+
+def _plural(noun: str) -> str:
+    head, sep, tail = noun.partition(" of ")
+    head = head[:-1] + "ies" if head.endswith("y") and head[-2] not in "aeiou" else head + (
+        "es" if head.endswith(("s", "x", "ch", "sh")) else "s")
+    return head + sep + tail
+
+
+def _verb(pronoun: str, singular: str, plural: str) -> str:
+    return plural if pronoun == "they" else singular
+
+
+def _shopping(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    g1, g2 = rng.sample(GOODS, 2)
+    a, b, x, y = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 15), rng.randint(2, 15)
+    q = (f"{name} buys {a} {_plural(g1)} at ${x} each and {b} {_plural(g2)} at ${y} each. "
+         f"How much money does {name} spend in all?")
+    steps = [f"The {_plural(g1)} cost {a} x ${x} = ${a * x}.", f"The {_plural(g2)} cost {b} x ${y} = ${b * y}.",
+             f"In all: ${a * x} + ${b * y} = ${a * x + b * y}."]
+    return q, steps, a * x + b * y
+
+
+def _change(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    g = rng.choice(GOODS)
+    a, x = rng.randint(2, 8), rng.randint(3, 12)
+    total = a * x
+    bill = next(b for b in (20, 50, 100, 200) if b > total)
+    q = (f"{name} buys {a} {_plural(g)} that cost ${x} each and pays with a ${bill} bill. "
+         f"How much change does {name} get back?")
+    steps = [f"The {_plural(g)} cost {a} x ${x} = ${total}.", f"The change is ${bill} - ${total} = ${bill - total}."]
+    return q, steps, bill - total
+
+
+def _sharing(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    t = rng.choice(THINGS)
+    friends, each = rng.randint(2, 7), rng.randint(2, 9)
+    left = rng.randint(0, 20)
+    n = friends * each + left
+    q = f"{name} has {n} {t}. {p.capitalize()} {_verb(p, 'gives', 'give')} {each} {t} to each of {friends} friends. " \
+        f"How many {t} does {name} have left?"
+    steps = [f"{name} gives away {friends} x {each} = {friends * each} {t}.",
+             f"{n} - {friends * each} = {left} {t} are left."]
+    return q, steps, left
+
+
+def _rate(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    per_day, weeks = rng.randint(3, 40), rng.randint(2, 6)
+    activity, unit = rng.choice((("reads", "pages"), ("walks", "kilometers"), ("writes", "lines of code"),
+                                 ("practices piano for", "minutes")))
+    if p == "they":
+        activity = {"reads": "read", "walks": "walk", "writes": "write"}.get(activity, "practice piano for")
+    q = f"{name} {activity} {per_day} {unit} every day. How many {unit} is that in {weeks} weeks?"
+    days = 7 * weeks
+    steps = [f"{weeks} weeks have 7 x {weeks} = {days} days.", f"{per_day} x {days} = {per_day * days} {unit}."]
+    return q, steps, per_day * days
+
+
+def _discount(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    g = rng.choice(("jacket", "bicycle", "lamp", "backpack", "guitar", "printer", "chair"))
+    pct = rng.choice((10, 20, 25, 50))
+    price = 20 * rng.randint(2, 40)  # a multiple of 20: every discount is whole dollars
+    off = price * pct // 100
+    q = f"A {g} costs ${price}. It is on sale for {pct}% off. {name} buys it. How much does {name} pay?"
+    steps = [f"The discount is {pct}% of ${price} = ${off}.", f"{name} pays ${price} - ${off} = ${price - off}."]
+    return q, steps, price - off
+
+
+def _ages(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    other = rng.choice([n for n in NAMES if n != name])
+    young, gap, later = rng.randint(4, 30), rng.randint(2, 15), rng.randint(2, 10)
+    q = (f"{name} is {gap} years older than {other}. {other} is {young} years old. "
+         f"What will the sum of their ages be in {later} years?")
+    old = young + gap
+    steps = [f"{name} is {young} + {gap} = {old} years old.",
+             f"In {later} years {other} will be {young + later} and {name} will be {old + later}.",
+             f"The sum is {young + later} + {old + later} = {young + old + 2 * later}."]
+    return q, steps, young + old + 2 * later
+
+
+def _production(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    trays, per_tray, days = rng.randint(3, 12), rng.randint(6, 24), rng.randint(2, 6)
+    made = trays * per_tray
+    sold = rng.randint(made // 3, made - 1)
+    q = (f"{name}'s bakery makes {trays} trays of {per_tray} muffins every day and sells {sold} muffins a day. "
+         f"How many muffins are left over after {days} days?")
+    steps = [f"Each day the bakery makes {trays} x {per_tray} = {made} muffins.",
+             f"Each day {made} - {sold} = {made - sold} are left over.",
+             f"After {days} days: {made - sold} x {days} = {(made - sold) * days} muffins."]
+    return q, steps, (made - sold) * days
+
+
+def _distance(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    s1, t1, s2, t2 = rng.randint(30, 90), rng.randint(1, 5), rng.randint(20, 70), rng.randint(1, 4)
+    q = (f"{name} drives at {s1} km per hour for {t1} hours, then at {s2} km per hour for {t2} hours. "
+         f"How far does {name} drive in total?")
+    steps = [f"First part: {s1} x {t1} = {s1 * t1} km.", f"Second part: {s2} x {t2} = {s2 * t2} km.",
+             f"Total: {s1 * t1} + {s2 * t2} = {s1 * t1 + s2 * t2} km."]
+    return q, steps, s1 * t1 + s2 * t2
+
+
+def _savings(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    g = rng.choice(("game console", "tablet", "skateboard", "telescope", "camera"))
+    weekly, weeks, have = rng.randint(5, 40), rng.randint(3, 20), rng.randint(10, 120)
+    cost = have + weekly * weeks
+    q = (f"{name} wants a {g} that costs ${cost}. {p.capitalize()} already {_verb(p, 'has', 'have')} ${have} and "
+         f"{_verb(p, 'saves', 'save')} ${weekly} every week. How many weeks does {name} need to save?")
+    steps = [f"{name} still needs ${cost} - ${have} = ${cost - have}.",
+             f"${cost - have} / ${weekly} per week = {weeks} weeks."]
+    return q, steps, weeks
+
+
+def _fractions(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
+    k = rng.choice((2, 3, 4, 5))
+    n = k * 2 * rng.randint(3, 15)
+    q = (f"There are {n} students in {name}'s grade. 1/{k} of them play football, and half of the rest play chess. "
+         f"How many students play neither?")
+    football = n // k
+    rest = n - football
+    steps = [f"1/{k} of {n} is {football} students who play football.", f"{n} - {football} = {rest} are left.",
+             f"Half of {rest} is {rest // 2} who play chess, so {rest - rest // 2} play neither."]
+    return q, steps, rest - rest // 2
+
+
+PROBLEMS: tuple[Callable[[random.Random, str, str], tuple[str, list[str], int]], ...] = (
+    _shopping, _change, _sharing, _rate, _discount, _ages, _production, _distance, _savings, _fractions)
+
+
+def word_problem(seed: int, index: int) -> tuple[str, str, int]:
+    """Problem `index` of `seed`: (question, worked solution, answer)."""
+    rng = random.Random(f"word-problems/{seed}/{index}")
+    name = rng.choice(NAMES)
+    question, steps, answer = rng.choice(PROBLEMS)(rng, name, PRONOUNS[name])
+    return question + rng.choice(SUFFIXES), "\n".join(steps + [f"The answer is {answer}."]), answer
+
+
+def word_problem_records(seed: int = 0) -> Iterator[dict]:
+    index = 0
+    while True:
+        question, solution, _ = word_problem(seed, index)
+        yield _record(f"word-problems/{seed}/{index}", "word-problems", question, solution)
+        index += 1
+
+
+# --------------------------------------------------------------------------- the command
+
+SOURCES: dict[str, Callable[[int], Iterator[dict]]] = {
+    "python-functions": python_function_records,
+    "word-problems": word_problem_records,
+}
+
+
+def _record(record_id: str, source: str, prompt: str, reply: str) -> dict:
+    return {"id": record_id, "source": source,
+            "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+
+
+def write_source(name: str, out: str | Path, limit: int | None = None, seed: int = 0) -> int:
+    """Write the first `limit` records (all: None; word-problems has no end, so it needs one)
+    of source `name` to the JSONL file `out` (atomically). Returns the count."""
+    from dflash_train.assets import atomic_write_lines
+
+    problems = []
+    if name not in SOURCES:
+        problems.append(f"--source {name!r} is not a prompt source; choose one of {', '.join(SOURCES)}")
+    if limit is not None and limit < 1:
+        problems.append(f"--limit must be >= 1, got {limit}")
+    if limit is None and name == "word-problems":
+        problems.append("--source word-problems generates without end: give --limit N")
+    problem = output_file_problem(out)
+    if problem:
+        problems.append(f"--out {out}: {problem}")
+    if problems:
+        raise InputError("; ".join(problems))
+    lines = []
+    for record in SOURCES[name](seed):
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        if limit is not None and len(lines) >= limit:
+            break
+    atomic_write_lines(Path(out), lines)
+    return len(lines)
+
+
+def run_source(args) -> int:
+    """`dflash-train data source`."""
+    count = write_source(args.source, args.out, args.limit, args.seed)
+    print(f"data source {args.source}: {count} records -> {args.out} (regenerate them with the target: "
+          f"dflash-train data regenerate --data {args.out} --target ...)")
+    return 0

@@ -1,0 +1,174 @@
+"""Offline prompt sources (sources.py): which functions of a library become code prompts and
+what their prompts and replies hold, word problems whose worked solutions are right, the files
+`data source` writes and that the chat reader and regeneration take."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from dflash_train import cli, data, sources
+
+LIBRARY = {
+    "shapes.py": '''
+        """A module."""
+        import math
+
+
+        def area(radius):
+            """The area of a circle of this radius, in square units."""
+            squared = radius * radius
+            return math.pi * squared
+
+
+        def _helper(x):
+            """A private helper that is long enough to be documented."""
+            y = x + 1
+            return y
+
+
+        def undocumented(x):
+            y = x * 2
+            z = y + 1
+            return z
+
+
+        def stub(x):
+            """Does nothing yet, and says so at some length."""
+            raise NotImplementedError
+
+
+        @staticmethod
+        def decorated(a, b):
+            """Adds two numbers and returns their sum to the caller."""
+            total = a + b
+            return total
+
+
+        class Square:
+            """A square."""
+
+            def __init__(self, side):
+                self.side = side
+
+            def perimeter(self):
+                """The length of the square's boundary, four sides."""
+                sides = 4
+                return sides * self.side
+        ''',
+    "test/test_shapes.py": '''
+        def check_area():
+            """A test helper that must never become a prompt."""
+            value = 1
+            return value
+        ''',
+    "pkg/__init__.py": '''
+        def version_tuple(text):
+            """The dotted version string as a tuple of integers."""
+            parts = text.split(".")
+            return tuple(int(p) for p in parts)
+        ''',
+}
+
+
+@pytest.fixture
+def library(tmp_path):
+    for name, text in LIBRARY.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    (tmp_path / "broken.py").write_text("def oops(:\n")
+    return tmp_path
+
+
+def test_library_functions_keeps_documented_public_code(library):
+    found = {f"{f.module}.{f.qualname}": f for f in sources.library_functions(library)}
+    assert set(found) == {"shapes.area", "shapes.decorated", "shapes.Square.perimeter", "pkg.version_tuple"}
+    area = found["shapes.area"]
+    assert area.prompt_code == 'def area(radius):\n    """The area of a circle of this radius, in square units."""\n'
+    assert area.source.startswith(area.prompt_code) and area.source.endswith("return math.pi * squared\n")
+    assert found["shapes.decorated"].prompt_code.startswith("@staticmethod\ndef decorated(a, b):")
+    method = found["shapes.Square.perimeter"]
+    assert method.owner == "Square" and method.source.startswith("def perimeter(self):")  # dedented
+
+
+def test_python_function_records_are_chat_records(library, tmp_path):
+    records = list(sources.python_function_records(seed=3, root=library))
+    assert len(records) == 4 and len({r["id"] for r in records}) == 4
+    assert records == list(sources.python_function_records(seed=3, root=library))  # the seed fixes the order
+    by_id = {r["id"].split("/")[-1]: r for r in records}
+    method = by_id["shapes.Square.perimeter"]["conversations"]
+    assert "`perimeter` is a method of the class `Square` in the `shapes` module." in method[0]["value"]
+    assert "def perimeter(self):" in method[0]["value"] and "return sides" not in method[0]["value"]
+    assert method[1]["value"].startswith("```python\ndef perimeter(self):") and "return sides * self.side" in method[1]["value"]
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read = list(data.iter_records([path]))
+    assert all(isinstance(r, data.Record) for r in read)
+    assert [[m["role"] for m in r.messages] for r in read] == [["user", "assistant"]] * 4
+
+
+def test_the_standard_library_gives_thousands_of_code_prompts():
+    functions = sources.library_functions()
+    names = [f"{f.module}.{f.qualname}" for f in functions]
+    assert len(functions) > 1000 and len(set(names)) > 0.95 * len(names)
+    assert not any(".test." in f".{n}" or n.startswith("test.") for n in names)
+    assert all(sources.MIN_LINES <= f.source.count("\n") <= sources.MAX_LINES for f in functions)
+
+
+EQUATION = re.compile(r"(\$?\d+(?: [x+\-/] \$?\d+)+) = \$?(\d+)")
+
+
+def test_word_problems_are_solved_right():
+    """Every equation of every worked solution holds, the last result is the stated answer,
+    a problem depends only on (seed, index), and every kind of problem occurs."""
+    kinds = set()
+    for index in range(3000):
+        question, solution, answer = sources.word_problem(7, index)
+        assert (question, solution, answer) == sources.word_problem(7, index)
+        assert solution.endswith(f"The answer is {answer}.") and answer >= 0
+        equations = EQUATION.findall(solution)
+        assert equations, solution
+        for left, right in equations:
+            value = eval(left.replace("$", "").replace(" x ", " * ").replace(" / ", " // "))  # noqa: S307 - digits and operators
+            assert value == int(right), (question, solution)
+            if " / " in left:
+                a, b = (int(v) for v in left.replace("$", "").split(" / "))
+                assert a % b == 0, solution
+        kinds.add(question.split(" ")[1 if question.startswith("A ") else 2])
+    assert sources.word_problem(7, 0) != sources.word_problem(8, 0)
+    assert len({sources.word_problem(7, i)[0] for i in range(3000)}) > 2900
+    assert len(kinds) >= 8
+
+
+def test_data_source_writes_what_regeneration_takes(tmp_path):
+    out = tmp_path / "wp.jsonl"
+    assert cli.main(["data", "source", "--source", "word-problems", "--limit", "25", "--seed", "2", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 25 and not (tmp_path / "wp.jsonl.tmp").exists()
+    first = json.loads(lines[0])
+    assert first["id"] == "word-problems/2/0" and first["source"] == "word-problems"
+    question, solution, _ = sources.word_problem(2, 0)
+    assert first["conversations"] == [{"from": "human", "value": question}, {"from": "gpt", "value": solution}]
+    assert all(isinstance(r, data.Record) for r in data.iter_records([out]))
+
+
+def test_regeneration_answers_source_records(tmp_path, library):
+    """The records go through `data regenerate` like any chat file: the reference reply is
+    replaced by the target's, id and source are kept."""
+    from dflash_train import regenerate
+
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in sources.python_function_records(root=library)))
+    out = tmp_path / "regen.jsonl"
+    regenerate.regenerate([path], "bundled:tiny-random-llama", out, max_new_tokens=4, batch_size=2, device="cpu",
+                          temperature=5.0, log=lambda *_: None)
+    before = [json.loads(line) for line in path.read_text().splitlines()]
+    after = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["source"]) for r in after] == [(r["id"], r["source"]) for r in before]
+    for old, new in zip(before, after):
+        assert new["conversations"][0] == old["conversations"][0]
+        assert new["conversations"][1]["value"] != old["conversations"][1]["value"]
