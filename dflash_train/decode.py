@@ -321,6 +321,13 @@ class Graphs:
         """Destroy every captured graph now (not whenever the collector reaches them)."""
         self.entries.clear()
 
+    @property
+    def buckets_small_steps(self) -> bool:
+        """Whether the steps that run at their own shapes on CPU (a small prefill, the prompt
+        context write) run at bucket shapes instead: wherever a graph may replay them, and on
+        CUDA eagerly too, so that eager and captured runs compute the same numbers."""
+        return self.enabled or self.device.type == "cuda"
+
 
 # --------------------------------------------------------------------------- the target
 
@@ -365,16 +372,16 @@ class TargetSteps:
         of each row [R] (chosen at position len(prompt)), and with taps the features [R, P', F]
         of every prompt position (right-padded to P' >= the longest prompt).
 
-        A prefill of at most PREFILL_GRAPH_ROWS rows (a row bucket) is padded to its row and
-        width buckets and runs as one step function, replayed from a graph per bucket once the
-        cache's buffers exist (the first prefill allocates them): at batch 1 an eager forward
+        On CUDA, a prefill of at most PREFILL_GRAPH_ROWS rows (a row bucket) is padded to its row
+        and width buckets and runs as one step function, replayed from a graph per bucket once
+        the cache's buffers exist (the first prefill allocates them): at batch 1 an eager forward
         of a small target costs its launches, many times a replay. Eager or captured, the same
-        padded shapes, so the same numbers. Larger prefills (regeneration's refills) run
-        eagerly at their own length."""
+        padded shapes, so the same numbers (Graphs.buckets_small_steps). Larger prefills
+        (regeneration's refills), and every prefill on CPU, run eagerly at their own length."""
         R, P = len(prompts), max(len(p) for p in prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         Rb = pick(R, self.rows)
-        if Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
+        if self.graphs.buckets_small_steps and Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
             Pb = pick(P, self.widths)
             ids_RP = torch.zeros(Rb, Pb, dtype=torch.long, device=self.device)
             for i, p in enumerate(prompts):

@@ -170,14 +170,16 @@ class DFlashProposer:
         context_RTF[i, :end_R[i]]) into its cache, ahead of the block steps: one drafter forward
         anchored at end_R, whose block's keys land on columns end_R .. end_R + B - 1 (the next
         block step's context overwrites them before anything reads them). Not a block step: it
-        proposes nothing. `width`: at least max(end_R) + B. Up to PREFILL_GRAPH_ROWS rows (a
-        prompt's first cycle at batch 1) it runs padded to its row and width buckets (padding
-        rows anchored at 0 with no context, in free slots), replayed from a graph per (rows,
-        context length, width) once the cache's buffers exist; eager at its own shape above."""
+        proposes nothing. `width`: at least max(end_R) + B. On CUDA, up to PREFILL_GRAPH_ROWS
+        rows (a prompt's first cycle at batch 1) it runs padded to its row and width buckets
+        (padding rows anchored at 0 with no context, in free slots), replayed from a graph per
+        (rows, context length, width) once the cache's buffers exist; eager at its own shape
+        above that and on CPU (Graphs.buckets_small_steps)."""
         R, T = context_RTF.shape[:2]
         inputs = (anchor_token_R, end_R, context_RTF, end_R)
         Rb = pick(R, self.rows) if self.rows else R
-        if not self.widths or Rb > PREFILL_GRAPH_ROWS or width > self.widths[-1]:
+        small = self.graphs.buckets_small_steps and self.widths and Rb <= PREFILL_GRAPH_ROWS
+        if not small or width > self.widths[-1]:
             self._block_fn(width)(*inputs)
             return
         W = pick(int(width), self.widths)
