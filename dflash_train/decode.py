@@ -13,8 +13,8 @@ target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.p
 - `Graphs`: each step function (the target's one-token decode step and B-token verify step, its
   prefill of up to PREFILL_GRAPH_ROWS rows, the drafter's block step and prompt context write)
   runs eagerly on CPU, and on CUDA is captured once per shape bucket (rows x columns read) as a
-  CUDA graph and replayed with fresh inputs copied into its static ones: a small model's step costs kernel launches and host work, not GPU time, and a replay
-  removes both. Eager and captured runs launch the same kernels, so they give the same numbers.
+  CUDA graph and replayed with fresh inputs copied into its static ones: a small model's step
+  costs kernel launches and host work, not GPU time, and a replay removes both. Eager and captured runs launch the same kernels, so they give the same numbers.
   Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
 - Token choice is sampling.py's `choose` (greedy, or position-hashed sampling), captured with
   the step: no generator state, no host work.

@@ -22,6 +22,7 @@ standard library of the Python that runs it (its version is in every id).
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import random
 import sys
@@ -123,7 +124,8 @@ def library_functions(root: Path | None = None) -> list[Function]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 candidates = [(node, None)]
             elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                candidates = [(n, node.name) for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                candidates = [(n, node.name) for n in node.body
+                              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             else:
                 continue
             for fn, owner in candidates:
@@ -150,12 +152,11 @@ def python_function_records(seed: int = 0, root: Path | None = None) -> Iterator
 
 # --------------------------------------------------------------------------- word problems
 
-NAMES = ("Ava", "Ben", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Hassan", "Isla", "Jonas", "Kira", "Liam", "Maya",
-         "Noah", "Olivia", "Priya", "Quinn", "Rosa", "Samir", "Tara", "Umar", "Vera", "Wei", "Ximena", "Yusuf", "Zoe")
 PRONOUNS = {"Ava": "she", "Ben": "he", "Chloe": "she", "Daniel": "he", "Emma": "she", "Felix": "he", "Grace": "she",
             "Hassan": "he", "Isla": "she", "Jonas": "he", "Kira": "she", "Liam": "he", "Maya": "she", "Noah": "he",
             "Olivia": "she", "Priya": "she", "Quinn": "they", "Rosa": "she", "Samir": "he", "Tara": "she", "Umar": "he",
             "Vera": "she", "Wei": "he", "Ximena": "she", "Yusuf": "he", "Zoe": "she"}
+NAMES = tuple(PRONOUNS)
 GOODS = ("notebook", "pencil", "apple", "sandwich", "ticket", "candle", "plant", "bottle of juice", "box of tea",
          "comic book", "pair of socks", "bag of rice")
 THINGS = ("marbles", "stickers", "cookies", "stamps", "seashells", "crayons", "beads", "trading cards")
@@ -210,9 +211,7 @@ def _sharing(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int
 def _rate(rng: random.Random, name: str, p: str) -> tuple[str, list[str], int]:
     per_day, weeks = rng.randint(3, 40), rng.randint(2, 6)
     activity, unit = rng.choice((("reads", "pages"), ("walks", "kilometers"), ("writes", "lines of code"),
-                                 ("practices piano for", "minutes")))
-    if p == "they":
-        activity = {"reads": "read", "walks": "walk", "writes": "write"}.get(activity, "practice piano for")
+                                 ("practices piano for", "minutes")))  # the name is the subject: singular
     q = f"{name} {activity} {per_day} {unit} every day. How many {unit} is that in {weeks} weeks?"
     days = 7 * weeks
     steps = [f"{weeks} weeks have 7 x {weeks} = {days} days.", f"{per_day} x {days} = {per_day * days} {unit}."]
@@ -335,11 +334,7 @@ def write_source(name: str, out: str | Path, limit: int | None = None, seed: int
         problems.append(f"--out {out}: {problem}")
     if problems:
         raise InputError("; ".join(problems))
-    lines = []
-    for record in SOURCES[name](seed):
-        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-        if limit is not None and len(lines) >= limit:
-            break
+    lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in itertools.islice(SOURCES[name](seed), limit)]
     atomic_write_lines(Path(out), lines)
     return len(lines)
 

@@ -35,8 +35,8 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps, causal_position_mask,
-                                 pick, row_buckets, width_buckets)
+from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps,
+                                 causal_position_mask, pick, row_buckets, width_buckets)
 from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.loss import accepted_run_length
 from dflash_train.sampling import choose
@@ -446,8 +446,8 @@ class Decoder:
         """The first cycle's context in the shape of every later one's, so that it replays the
         captured cycle too instead of running the whole target eagerly once per prompt: the
         drafter's keys and values of all but the last min(L, B) prompt positions of each row
-        (prompt length L = anchor) are written into its cache first, eagerly
-        (DFlashProposer.write_context), and the last positions become the first cycle's
+        (prompt length L = anchor) are written into its cache first (DFlashProposer.write_context,
+        itself captured at batch 1), and the last positions become the first cycle's
         context [R, B, F] with its length. `longest`: max(anchor_R) as a host int (the write
         reads up to column head + B = L of the longest row). Returns (context, lengths)."""
         B = int(self.proposer.block_size)

@@ -123,7 +123,9 @@ for item in $SOURCES; do
   name="${item%%:*}" count="${item#*:}"
   [[ "$name" != "$item" && "$count" =~ ^[0-9]+$ ]] || { echo "SOURCES: $item is not name:count"; exit 2; }
   prompts="$OUT/source-$name.jsonl" answered="$OUT/regenerated-$name.jsonl"
-  [[ -f "$prompts" ]] || "${CLI[@]}" data source --source "$name" --limit "$count" --out "$prompts"
+  # rewritten every time (seconds): the same name, count and seed give the same lines, and a larger
+  # count the same first lines, so a partial regeneration of it resumes
+  "${CLI[@]}" data source --source "$name" --limit "$count" --out "$prompts"
   have=0
   [[ -f "$answered" ]] && have="$(wc -l < "$answered")"
   if (( have < $(wc -l < "$prompts") )); then

@@ -243,13 +243,15 @@ def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
     monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
     engine = Decoder(model, DFlashProposer.for_target(drafter, model))
     engine.capture(rows=1, capacity=128)
-    assert {("prefill", 1, 64), ("prefill", 1, 96), ("decode", 1, 64), ("cycle", 1, 96)} <= set(engine.target.graphs.entries)
+    captured_keys = set(engine.target.graphs.entries)
+    assert {("prefill", 1, 64), ("prefill", 1, 96), ("decode", 1, 64), ("cycle", 1, 96)} <= captured_keys
     assert ("context", 1, 64, 64) in engine.proposer.graphs.entries
     captured = engine.target.graphs.num_captured + engine.proposer.graphs.num_captured
     for _ in range(2):  # the second time every step replays
         assert [engine.generate([p], 20)[0].output_ids for p in ps] == refs
         got = [engine.speculate([p], 20)[0] for p in ps]
-        assert [(g.output_ids, g.acceptance_lengths) for g in got] == [(w.output_ids, w.acceptance_lengths) for w in want]
+        assert [(g.output_ids, g.acceptance_lengths) for g in got] == \
+            [(w.output_ids, w.acceptance_lengths) for w in want]
     assert engine.target.graphs.num_captured + engine.proposer.graphs.num_captured == captured, \
         "batch 1 within the captured capacity replays what capture() captured"
     for n in (5, 3, 5):  # the engine grows to 5 rows (an eager first prefill), then 3 rows pad to 4

@@ -103,7 +103,8 @@ def test_python_function_records_are_chat_records(library, tmp_path):
     method = by_id["shapes.Square.perimeter"]["conversations"]
     assert "`perimeter` is a method of the class `Square` in the `shapes` module." in method[0]["value"]
     assert "def perimeter(self):" in method[0]["value"] and "return sides" not in method[0]["value"]
-    assert method[1]["value"].startswith("```python\ndef perimeter(self):") and "return sides * self.side" in method[1]["value"]
+    reply = method[1]["value"]
+    assert reply.startswith("```python\ndef perimeter(self):") and "return sides * self.side" in reply
     path = tmp_path / "code.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     read = list(data.iter_records([path]))
@@ -133,7 +134,8 @@ def test_word_problems_are_solved_right():
         equations = EQUATION.findall(solution)
         assert equations, solution
         for left, right in equations:
-            value = eval(left.replace("$", "").replace(" x ", " * ").replace(" / ", " // "))  # noqa: S307 - digits and operators
+            expression = left.replace("$", "").replace(" x ", " * ").replace(" / ", " // ")
+            value = eval(expression)  # noqa: S307 - digits and operators only
             assert value == int(right), (question, solution)
             if " / " in left:
                 a, b = (int(v) for v in left.replace("$", "").split(" / "))
@@ -146,7 +148,8 @@ def test_word_problems_are_solved_right():
 
 def test_data_source_writes_what_regeneration_takes(tmp_path):
     out = tmp_path / "wp.jsonl"
-    assert cli.main(["data", "source", "--source", "word-problems", "--limit", "25", "--seed", "2", "--out", str(out)]) == 0
+    argv = ["data", "source", "--source", "word-problems", "--limit", "25", "--seed", "2", "--out", str(out)]
+    assert cli.main(argv) == 0
     lines = out.read_text().splitlines()
     assert len(lines) == 25 and not (tmp_path / "wp.jsonl.tmp").exists()
     first = json.loads(lines[0])
