@@ -25,9 +25,10 @@
 #   REGEN_WORKERS [1]                        regeneration processes (one engine keeps a GPU busy)
 #   REGEN_ARGS []                            more `data regenerate` options (the smoke test samples:
 #                                            the random tiny target answers blank lines below T~5)
-#   SOURCES []                               offline prompt sources to regenerate and train on too,
-#                                            "name:count ...", e.g. "python-functions:3000
-#                                            word-problems:4000" (`dflash-train data source`)
+#   SOURCES [the recipe's]                   offline prompt sources to regenerate and train on too,
+#                                            "name:count ..." (`dflash-train data source`; recipe.py's
+#                                            QUALITY_SOURCES: "python-functions:10000
+#                                            word-problems:4000"); SOURCES= for none
 #   TRAIN_STEPS [3300]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
 #                                            schedule follows TRAIN_STEPS (3,300 steps took
 #                                            587 s on one H200 on all 17K conversations)
@@ -66,7 +67,7 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1024}"
 REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-1024}"
 REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
-SOURCES="${SOURCES:-}"
+SOURCES="${SOURCES-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_SOURCES; print(*(f"{n}:{c}" for n, c in QUALITY_SOURCES))')}"  # empty: none
 TRAIN_STEPS="${TRAIN_STEPS:-3300}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
 TRAIN_ARGS="${TRAIN_ARGS-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_TRAIN_ARGS; print(*QUALITY_TRAIN_ARGS)')}"  # empty: none

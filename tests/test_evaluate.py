@@ -388,8 +388,20 @@ def test_a_failing_worker_fails_the_command(tiny_setup, tmp_path, capsys):
 def test_quality_run_recipe_is_a_valid_configuration():
     """The training settings scripts/quality_run.sh passes by default (its TRAIN_ARGS, as bash
     expands them) are recipe.QUALITY_TRAIN_ARGS, and they load as a configuration with the
-    measured recipe's levers set."""
-    from dflash_train.recipe import QUALITY_TRAIN_ARGS
+    measured recipe's levers set; its default SOURCES are recipe.QUALITY_SOURCES, each a source
+    `data source` knows, and SOURCES= turns them off."""
+    from dflash_train import sources
+    from dflash_train.recipe import QUALITY_SOURCES, QUALITY_TRAIN_ARGS
+
+    script = (ROOT / "scripts" / "quality_run.sh").read_text()
+    start = script.index('SOURCES="${SOURCES-')
+    assignment = script[start:script.index("\n", start)]
+    for given, expected in ((None, [f"{name}:{count}" for name, count in QUALITY_SOURCES]), ("", [])):
+        setup = "unset SOURCES" if given is None else f"SOURCES={given}"
+        out = subprocess.run(["bash", "-c", f'{setup}; PYTHON={sys.executable}; {assignment}\nprintf "%s" "$SOURCES"'],
+                             capture_output=True, text=True, check=True, env=subprocess_env()).stdout
+        assert out.split() == expected
+    assert QUALITY_SOURCES and all(name in sources.SOURCES and count > 0 for name, count in QUALITY_SOURCES)
 
     script = (ROOT / "scripts" / "quality_run.sh").read_text()
     start = script.index('TRAIN_ARGS="${TRAIN_ARGS-')

@@ -6,6 +6,7 @@ served tau printed last)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -56,7 +57,19 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
         "models-Qwen3-8B-chats-new320-prompt1024-t0.jsonl"
     overrides = GpuDefault().train_overrides()
     assert overrides[: len(recipe.QUALITY_TRAIN_ARGS)] == list(recipe.QUALITY_TRAIN_ARGS)
-    assert f"data.paths=[{path}]" in overrides and "checkpoint.keep_best=true" in overrides
+    assert "checkpoint.keep_best=true" in overrides
+    # the recipe's prompt sources: prompts and answers beside the chats, named by what makes them
+    python = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    prompts, answered = GpuDefault().source_paths("python-functions", 10_000)
+    assert prompts == tmp_path / "regenerated" / "sources" / f"python-functions-10000-{python}.jsonl"
+    assert answered.name == f"smollm2-135m-instruct-python-functions-10000-{python}-new320-prompt1024-t0.jsonl"
+    assert GpuDefault().source_paths("word-problems", 4_000)[1].name == \
+        "smollm2-135m-instruct-word-problems-4000-new320-prompt1024-t0.jsonl"
+    assert GpuDefault(regen_temperature=0.7).source_paths("word-problems", 4_000)[1] != \
+        GpuDefault().source_paths("word-problems", 4_000)[1]
+    paths = [path, *(GpuDefault().source_paths(name, count)[1] for name, count in recipe.QUALITY_SOURCES)]
+    assert GpuDefault().train_paths() == paths and f"data.paths=[{','.join(map(str, paths))}]" in overrides
+    assert GpuDefault(sources=()).train_paths() == [path]
 
 
 def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():
@@ -82,14 +95,19 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     """Regenerate 6 conversations, train 4 steps (validation walked every 2), serve 2 records of
     each set; the rerun reuses the regenerated file and the finished training."""
     plan = GpuDefault(target=TINY, records=6, max_new_tokens=8, regen_temperature=5.0, regen_batch_size=8,
-                      regenerated=str(tmp_path / "regen.jsonl"), output_dir=str(tmp_path / "run"), steps=4,
+                      regenerated=str(tmp_path / "regen.jsonl"), sources=(("word-problems", 3),),
+                      output_dir=str(tmp_path / "run"), steps=4,
                       validation=2, eval_every=2, train_args=(), eval_limit=2, eval_max_new_tokens=16,
                       speedup_turns=1, workers=1, eval_batch_size=2, device="cpu")
     said: list[str] = []
     assert recipe.run_gpu_default(plan, log=said.append) == 0
     assert sum(1 for _ in open(tmp_path / "regen.jsonl")) == 6
     assert any(line.startswith("dflash-train train: regenerated 6 conversations") for line in said)
+    prompts, answered = plan.source_paths("word-problems", 3)
+    assert sum(1 for _ in open(prompts)) == sum(1 for _ in open(answered)) == 3
+    assert any(line.startswith("dflash-train train: regenerated 3 word-problems records") for line in said)
     run = tmp_path / "run"
+    assert str(answered) in (run / "config.yaml").read_text()  # trained on beside the chats
     assert (run / "drafter" / "config.json").is_file()
     walked = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "walked_tau" in r]
     assert walked == [2, 4]
@@ -101,4 +119,5 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     said.clear()
     assert recipe.run_gpu_default(plan, log=said.append) == 0
     assert f"dflash-train train: {tmp_path / 'regen.jsonl'} already holds 6 regenerated conversations" in said
+    assert f"dflash-train train: {answered} already holds 3 regenerated word-problems records" in said
     assert said[-1].startswith("dflash-train train: served tau mt-bench ")
