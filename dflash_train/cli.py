@@ -156,13 +156,17 @@ def add_data_commands(commands) -> None:
         "source", help="write chat records of an offline prompt source (code, arithmetic) to regenerate")
     source.add_argument("--source", required=True, choices=tuple(sources.SOURCES),
                         help="python-functions: documented functions of this Python's standard library "
-                        "(signature and docstring -> the function); word-problems: arithmetic word problems "
+                        "(signature and docstring -> the function); python-packages: the same from the installed "
+                        "libraries (--packages); word-problems: arithmetic word problems "
                         "generated from --seed (question -> worked solution)")
     source.add_argument("--out", required=True, metavar="FILE", help="JSONL output (ShareGPT records)")
     source.add_argument("--limit", type=int, default=None, metavar="N",
                         help="the first N records (python-functions: all by default; word-problems needs it)")
     source.add_argument("--seed", type=int, default=0, help="the order of python-functions, the problems of "
                         "word-problems (default %(default)s)")
+    source.add_argument("--packages", default=None, metavar="NAMES",
+                        help="python-packages: the packages to read, import names separated by commas (default: "
+                        f"those of {','.join(sources.PACKAGES)} that are installed)")
     source.set_defaults(func=sources.run_source)
 
 

@@ -18,6 +18,7 @@ the smoke-sized run of config.EMBEDDED_DEFAULT.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,26 +73,25 @@ class GpuDefault:
         return cache_root() / "regenerated" / (f"{name}-{data}-new{self.max_new_tokens}-prompt{self.max_prompt_length}"
                                                f"-t{self.regen_temperature:g}.jsonl")
 
-    def source_paths(self, name: str, count: int) -> tuple[Path, Path]:
-        """The prompts of source `name` (its first `count` records) and their regenerated file:
-        beside regenerated_path(), in its folder, named by the source, its count, the Python whose
-        standard library python-functions reads, the target and the settings."""
-        import sys
+    def source_prompts(self, name: str, count: int) -> Path:
+        """Where source `name`'s first `count` prompts are written: beside regenerated_path()."""
+        return self.regenerated_path().parent / "sources" / f"{name}-{count}.jsonl"
 
-        folder = self.regenerated_path().parent
-        python = f"-py{sys.version_info[0]}.{sys.version_info[1]}" if name == "python-functions" else ""
-        prompts = folder / "sources" / f"{name}-{count}{python}.jsonl"
-        answered = folder / (f"{_slug(self.target.removeprefix('bundled:'))}-{name}-{count}{python}"
-                             f"-new{self.max_new_tokens}-prompt{self.max_prompt_length}-t{self.regen_temperature:g}.jsonl")
-        return prompts, answered
+    def source_answers(self, name: str, count: int, prompts: Path) -> Path:
+        """The regenerated file of the prompts written to `prompts`: named by the source, its
+        count, a digest of the prompts (python-functions and python-packages change with the
+        installed Python and packages; other prompts get another file, not a resume that
+        refuses them), the target and the settings."""
+        digest = hashlib.sha256(prompts.read_bytes()).hexdigest()[:12]
+        return self.regenerated_path().parent / (
+            f"{_slug(self.target.removeprefix('bundled:'))}-{name}-{count}-{digest}"
+            f"-new{self.max_new_tokens}-prompt{self.max_prompt_length}-t{self.regen_temperature:g}.jsonl")
 
-    def train_paths(self) -> list[Path]:
-        """What the drafter trains on: the regenerated chats, then each regenerated source."""
-        return [self.regenerated_path(), *(self.source_paths(name, count)[1] for name, count in self.sources)]
-
-    def train_overrides(self) -> list[str]:
+    def train_overrides(self, source_files: list[Path] | tuple[Path, ...] = ()) -> list[str]:
+        """The training run's overrides: the recipe, the data (the regenerated chats, then the
+        regenerated `source_files`), the target and the sizes."""
         log_every = next(n for n in range(min(10, self.eval_every), 0, -1) if self.eval_every % n == 0)
-        paths = ",".join(str(path) for path in self.train_paths())
+        paths = ",".join(str(path) for path in (self.regenerated_path(), *source_files))
         return [*self.train_args, f"data.paths=[{paths}]", f"target.path={self.target}",
                 f"output_dir={self.output_dir}", f"train.max_steps={self.steps}",
                 f"train.max_time_s={self.max_time_s:g}",
@@ -172,11 +172,14 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
             f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {path}")
     else:
         log(f"dflash-train train: {path} already holds {have} regenerated conversations")
+    source_files = []
     for name, count in plan.sources:
-        if _regenerate_source(plan, name, count, rows, log):
+        answered = _regenerate_source(plan, name, count, rows, log)
+        if answered is None:
             return INTERRUPTED
+        source_files.append(answered)
     _release()
-    cfg = load_config(None, plan.train_overrides())
+    cfg = load_config(None, plan.train_overrides(source_files))
     drafter = Path(cfg.output_dir) / "drafter"
     result = train(cfg, log)
     if result is None or Path(result).resolve() != drafter.resolve():
@@ -194,26 +197,28 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
     return 0
 
 
-def _regenerate_source(plan: GpuDefault, name: str, count: int, rows: int, log) -> bool:
-    """Source `name`'s first `count` prompts written (seconds; the same every time, so a stopped
-    regeneration resumes) and regenerated like the chats. True when a signal stopped it."""
+def _regenerate_source(plan: GpuDefault, name: str, count: int, rows: int, log) -> Path | None:
+    """Source `name`'s first `count` prompts written (seconds; the same every time on one
+    installation, so a stopped regeneration resumes) and regenerated like the chats. Returns
+    the regenerated file, None when a signal stopped it."""
     from dflash_train import regenerate, sources
 
-    prompts, answered = plan.source_paths(name, count)
+    prompts = plan.source_prompts(name, count)
     prompts.parent.mkdir(parents=True, exist_ok=True)
     total = sources.write_source(name, prompts, limit=count)
+    answered = plan.source_answers(name, count, prompts)
     have = sum(1 for _ in open(answered, "rb")) if answered.is_file() else 0
     if have >= total:
         log(f"dflash-train train: {answered} already holds {have} regenerated {name} records")
-        return False
+        return answered
     summary = regenerate.regenerate([str(prompts)], plan.target, answered, max_new_tokens=plan.max_new_tokens,
                                     temperature=plan.regen_temperature, batch_size=rows,
                                     max_prompt_length=plan.max_prompt_length, device=plan.device, log=log)
     if summary.get("stopped"):
-        return True
+        return None
     log(f"dflash-train train: regenerated {summary['num_written']} {name} records "
         f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {answered}")
-    return False
+    return answered
 
 
 def _release() -> None:

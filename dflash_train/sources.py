@@ -9,19 +9,26 @@ prompts without a download and without any evaluation set:
 - `python-functions`: functions of the running Python's standard library that have a docstring.
   The prompt is the function's signature and docstring, as a request to implement it (one of a
   few wordings); the reference reply is the function's own source.
+- `python-packages`: the same, from the installed libraries a dflash-train install brings
+  (`PACKAGES`: torch, transformers and the packages they depend on, those of them that are
+  installed, or `--packages`), located with importlib.util.find_spec and read as files, never
+  imported. Their ids carry each package's installed version.
 - `word-problems`: arithmetic word problems generated from a seed (shopping, change, sharing,
   rates, discounts, ages, production, distances, savings, fractions of a group), two to four
   steps each; the reference reply is a worked solution ending in its answer.
 
 Records are ShareGPT JSONL lines (`id`, `source`, `conversations`: one human turn, one gpt turn)
 that every reader here takes as chat data; `data regenerate` replaces the reference reply with
-the target's. A record depends only on (source, seed, position) and, for python-functions, on the
-standard library of the Python that runs it (its version is in every id).
+the target's. A record depends only on (source, seed, position) and, for python-functions and
+python-packages, on the standard library of the Python that runs it or the installed packages'
+versions (in every id).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import itertools
 import json
 import random
@@ -37,7 +44,12 @@ from dflash_train.errors import InputError, output_file_problem
 # Parts of the standard library that are not library code a user writes (tests, demos, IDLE,
 # vendored installers, generated tables), or whose functions are mostly private plumbing.
 SKIPPED_PARTS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "dist-packages", "lib2to3", "ensurepip",
-                 "pydoc_data", "encodings", "__pycache__", "__phello__", "venv"}
+                 "pydoc_data", "encodings", "__pycache__", "__phello__", "venv", "testing", "_vendor", "vendored",
+                 "benchmarks", "examples"}
+# python-packages by default: the libraries a dflash-train install brings (its dependencies and the
+# packages they pull in), those of them installed; import names, in this order
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "datasets", "numpy", "sympy",
+            "networkx", "jinja2", "fsspec", "yaml", "tqdm", "packaging", "requests")
 MIN_LINES, MAX_LINES = 4, 60  # a function's lines, signature and docstring included
 MIN_DOC_CHARS = 20
 MAX_FILE_BYTES = 400_000
@@ -107,9 +119,10 @@ def _function(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, mo
     return Function(module, qualname, owner, prompt.rstrip() + "\n", source.rstrip() + "\n")
 
 
-def library_functions(root: Path | None = None) -> list[Function]:
+def library_functions(root: Path | None = None, package: str | None = None) -> list[Function]:
     """The documented public functions and methods (one class level) of the library under
-    `root` (the standard library), in file and source order."""
+    `root` (the standard library), in file and source order; with `package`, `root` is that
+    package's folder and module names start with it."""
     root = root or stdlib_root()
     found: list[Function] = []
     for path in _library_files(root):
@@ -118,7 +131,12 @@ def library_functions(root: Path | None = None) -> list[Function]:
             tree = ast.parse(text)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        module = ".".join(((package,) if package else ()) + parts)
+        if not module:
+            continue
         lines = text.splitlines(keepends=True)
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -135,19 +153,71 @@ def library_functions(root: Path | None = None) -> list[Function]:
     return found
 
 
-def python_function_records(seed: int = 0, root: Path | None = None) -> Iterator[dict]:
-    """Every documented function as a record, in an order shuffled by `seed`."""
-    functions = library_functions(root)
+def _code_records(source: str, functions: list[tuple[str, Function]], seed: int) -> Iterator[dict]:
+    """(tag, function) pairs as records of `source`, in an order shuffled by `seed`; the tag
+    (the Python's or the package's version) is the id's second part."""
     rng = random.Random(seed)
     rng.shuffle(functions)
-    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    for f in functions:
+    for tag, f in functions:
         wording = rng.choice(CODE_WORDINGS)
         prompt = wording.format(code=f.prompt_code.rstrip("\n"), name=f.qualname.split(".")[-1])
         if f.owner:
             prompt += METHOD_NOTE.format(name=f.qualname.split(".")[-1], owner=f.owner, module=f.module)
         reply = f"```python\n{f.source.rstrip()}\n```"
-        yield _record(f"python-functions/{version}/{f.module}.{f.qualname}", "python-functions", prompt, reply)
+        yield _record(f"{source}/{tag}/{f.module}.{f.qualname}", source, prompt, reply)
+
+
+def python_function_records(seed: int = 0, root: Path | None = None) -> Iterator[dict]:
+    """Every documented function of the standard library as a record, in an order shuffled by
+    `seed`."""
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    yield from _code_records("python-functions", [(version, f) for f in library_functions(root)], seed)
+
+
+def package_root(name: str) -> Path | None:
+    """The folder of the installed package `name` (an import name), found without importing it;
+    None when no such package (a folder with modules) is installed."""
+    if not name.isidentifier():
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]) if locations and Path(locations[0]).is_dir() else None
+
+
+def package_version(name: str) -> str:
+    """The installed version of the distribution that provides import name `name`."""
+    for dist in importlib.metadata.packages_distributions().get(name, []) + [name]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def installed_packages(packages: tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """The packages python-packages reads: `packages`, each of which must be installed, or the
+    installed ones of PACKAGES."""
+    if packages is None:
+        return [name for name in PACKAGES if package_root(name) is not None]
+    missing = [name for name in packages if package_root(name) is None]
+    if missing:
+        raise InputError(f"--packages: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not an installed "
+                         f"package here (an import name whose folder importlib finds, e.g. torch, yaml); install "
+                         f"{'it' if len(missing) == 1 else 'them'} or leave {'it' if len(missing) == 1 else 'them'} out")
+    return list(packages)
+
+
+def python_package_records(seed: int = 0, packages: tuple[str, ...] | list[str] | None = None) -> Iterator[dict]:
+    """Every documented function of the installed packages (installed_packages) as a record,
+    all packages shuffled together by `seed`."""
+    functions = []
+    for name in installed_packages(packages):
+        tag = f"{name}-{package_version(name)}"
+        functions += [(tag, f) for f in library_functions(package_root(name), package=name)]
+    yield from _code_records("python-packages", functions, seed)
 
 
 # --------------------------------------------------------------------------- word problems
@@ -308,6 +378,7 @@ def word_problem_records(seed: int = 0) -> Iterator[dict]:
 
 SOURCES: dict[str, Callable[[int], Iterator[dict]]] = {
     "python-functions": python_function_records,
+    "python-packages": python_package_records,
     "word-problems": word_problem_records,
 }
 
@@ -317,14 +388,20 @@ def _record(record_id: str, source: str, prompt: str, reply: str) -> dict:
             "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
 
 
-def write_source(name: str, out: str | Path, limit: int | None = None, seed: int = 0) -> int:
+def write_source(name: str, out: str | Path, limit: int | None = None, seed: int = 0,
+                 packages: list[str] | None = None) -> int:
     """Write the first `limit` records (all: None; word-problems has no end, so it needs one)
-    of source `name` to the JSONL file `out` (atomically). Returns the count."""
+    of source `name` to the JSONL file `out` (atomically); `packages`: python-packages' list
+    (None: installed_packages()). Returns the count."""
     from dflash_train.assets import atomic_write_lines
 
     problems = []
     if name not in SOURCES:
         problems.append(f"--source {name!r} is not a prompt source; choose one of {', '.join(SOURCES)}")
+    if packages is not None and name != "python-packages":
+        problems.append(f"--packages is an option of --source python-packages, not of {name}")
+    if packages is not None and not packages:
+        problems.append("--packages names no package: give import names separated by commas, e.g. torch,sympy")
     if limit is not None and limit < 1:
         problems.append(f"--limit must be >= 1, got {limit}")
     if limit is None and name == "word-problems":
@@ -334,14 +411,16 @@ def write_source(name: str, out: str | Path, limit: int | None = None, seed: int
         problems.append(f"--out {out}: {problem}")
     if problems:
         raise InputError("; ".join(problems))
-    lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in itertools.islice(SOURCES[name](seed), limit)]
+    records = python_package_records(seed, packages) if name == "python-packages" else SOURCES[name](seed)
+    lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in itertools.islice(records, limit)]
     atomic_write_lines(Path(out), lines)
     return len(lines)
 
 
 def run_source(args) -> int:
     """`dflash-train data source`."""
-    count = write_source(args.source, args.out, args.limit, args.seed)
+    packages = None if args.packages is None else [p.strip() for p in args.packages.split(",") if p.strip()]
+    count = write_source(args.source, args.out, args.limit, args.seed, packages)
     print(f"data source {args.source}: {count} records -> {args.out} (regenerate them with the target: "
           f"dflash-train data regenerate --data {args.out} --target ...)")
     return 0

@@ -6,7 +6,6 @@ served tau printed last)."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -59,17 +58,19 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert overrides[: len(recipe.QUALITY_TRAIN_ARGS)] == list(recipe.QUALITY_TRAIN_ARGS)
     assert "checkpoint.keep_best=true" in overrides
     # the recipe's prompt sources: prompts and answers beside the chats, named by what makes them
-    python = f"py{sys.version_info[0]}.{sys.version_info[1]}"
-    prompts, answered = GpuDefault().source_paths("python-functions", 10_000)
-    assert prompts == tmp_path / "regenerated" / "sources" / f"python-functions-10000-{python}.jsonl"
-    assert answered.name == f"smollm2-135m-instruct-python-functions-10000-{python}-new320-prompt1024-t0.jsonl"
-    assert GpuDefault().source_paths("word-problems", 4_000)[1].name == \
-        "smollm2-135m-instruct-word-problems-4000-new320-prompt1024-t0.jsonl"
-    assert GpuDefault(regen_temperature=0.7).source_paths("word-problems", 4_000)[1] != \
-        GpuDefault().source_paths("word-problems", 4_000)[1]
-    paths = [path, *(GpuDefault().source_paths(name, count)[1] for name, count in recipe.QUALITY_SOURCES)]
-    assert GpuDefault().train_paths() == paths and f"data.paths=[{','.join(map(str, paths))}]" in overrides
-    assert GpuDefault(sources=()).train_paths() == [path]
+    prompts = GpuDefault().source_prompts("word-problems", 4_000)
+    assert prompts == tmp_path / "regenerated" / "sources" / "word-problems-4000.jsonl"
+    prompts.parent.mkdir(parents=True)
+    prompts.write_text('{"id": "a"}\n')
+    answered = GpuDefault().source_answers("word-problems", 4_000, prompts)
+    assert answered.parent == path.parent and answered.name.startswith("smollm2-135m-instruct-word-problems-4000-")
+    assert answered.name.endswith("-new320-prompt1024-t0.jsonl")
+    assert GpuDefault(regen_temperature=0.7).source_answers("word-problems", 4_000, prompts) != answered
+    prompts.write_text('{"id": "b"}\n')  # other prompts (another Python, other packages): another file
+    assert GpuDefault().source_answers("word-problems", 4_000, prompts) != answered
+    with_sources = GpuDefault().train_overrides([answered, tmp_path / "b.jsonl"])
+    assert f"data.paths=[{path},{answered},{tmp_path / 'b.jsonl'}]" in with_sources
+    assert f"data.paths=[{path}]" in overrides  # none given: the chats alone
 
 
 def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():
@@ -103,7 +104,8 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     assert recipe.run_gpu_default(plan, log=said.append) == 0
     assert sum(1 for _ in open(tmp_path / "regen.jsonl")) == 6
     assert any(line.startswith("dflash-train train: regenerated 6 conversations") for line in said)
-    prompts, answered = plan.source_paths("word-problems", 3)
+    prompts = plan.source_prompts("word-problems", 3)
+    answered = plan.source_answers("word-problems", 3, prompts)
     assert sum(1 for _ in open(prompts)) == sum(1 for _ in open(answered)) == 3
     assert any(line.startswith("dflash-train train: regenerated 3 word-problems records") for line in said)
     run = tmp_path / "run"

@@ -175,3 +175,60 @@ def test_regeneration_answers_source_records(tmp_path, library):
     for old, new in zip(before, after):
         assert new["conversations"][0] == old["conversations"][0]
         assert new["conversations"][1]["value"] != old["conversations"][1]["value"]
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """A package `fakepkg_dflash` 1.2.3 on sys.path (the LIBRARY files, with a dist-info), whose
+    import would fail: python-packages must read it without importing it."""
+    root = tmp_path / "site" / "fakepkg_dflash"
+    for name, text in LIBRARY.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    (root / "__init__.py").write_text('raise RuntimeError("imported")\n\n\n' + textwrap.dedent('''
+        def configure(level):
+            """Set the package's level of detail for every later call."""
+            previous = level
+            return previous
+        '''))
+    info = tmp_path / "site" / "fakepkg_dflash-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg-dflash\nVersion: 1.2.3\n")
+    (info / "top_level.txt").write_text("fakepkg_dflash\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return root
+
+
+def test_python_packages_reads_installed_packages_without_importing_them(installed, tmp_path):
+    import sys
+
+    assert sources.package_root("fakepkg_dflash") == installed and sources.package_version("fakepkg_dflash") == "1.2.3"
+    records = list(sources.python_package_records(seed=1, packages=["fakepkg_dflash"]))
+    ids = sorted(r["id"] for r in records)
+    tag = "python-packages/fakepkg_dflash-1.2.3/fakepkg_dflash"
+    assert ids == sorted(f"{tag}.{name}" for name in ("configure", "shapes.area", "shapes.decorated",
+                                                      "shapes.Square.perimeter", "pkg.version_tuple"))
+    assert "fakepkg_dflash" not in sys.modules
+    assert all(r["source"] == "python-packages" for r in records)
+    assert records == list(sources.python_package_records(seed=1, packages=["fakepkg_dflash"]))
+    method = next(r for r in records if r["id"].endswith("Square.perimeter"))["conversations"][0]["value"]
+    assert "`perimeter` is a method of the class `Square` in the `fakepkg_dflash.shapes` module." in method
+    out = tmp_path / "pk.jsonl"
+    argv = ["data", "source", "--source", "python-packages", "--packages", "fakepkg_dflash", "--limit", "3",
+            "--seed", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records[:3]
+
+
+def test_python_packages_default_and_bad_package_lists(capsys, tmp_path):
+    default = sources.installed_packages()
+    assert {"torch", "transformers"} <= set(default) and set(default) <= set(sources.PACKAGES)
+    with pytest.raises(sources.InputError, match=r"--packages: no_such_pkg_here is not an installed package here"):
+        sources.installed_packages(["torch", "no_such_pkg_here"])
+    out = str(tmp_path / "x.jsonl")
+    assert cli.main(["data", "source", "--source", "python-functions", "--packages", "torch", "--out", out]) == 2
+    assert "--packages is an option of --source python-packages, not of python-functions" in capsys.readouterr().err
+    assert cli.main(["data", "source", "--source", "python-packages", "--packages", " ,", "--out", out]) == 2
+    assert "--packages names no package" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
