@@ -29,6 +29,8 @@
 #                                            "name:count ..." (`dflash-train data source`; recipe.py's
 #                                            QUALITY_SOURCES: "python-functions:10000
 #                                            word-problems:4000"); SOURCES= for none
+#   EXTRA_DATA []                            more training data as it is (not regenerated): chat
+#                                            files or prepared folders, comma-separated
 #   TRAIN_STEPS [3300]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
 #                                            schedule follows TRAIN_STEPS (3,300 steps took
 #                                            587 s on one H200 on all 17K conversations)
@@ -67,6 +69,7 @@ MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1024}"
 REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-1024}"
 REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
+EXTRA_DATA="${EXTRA_DATA:-}"
 SOURCES="${SOURCES-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_SOURCES; print(*(f"{n}:{c}" for n, c in QUALITY_SOURCES))')}"  # empty: none
 TRAIN_STEPS="${TRAIN_STEPS:-3300}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
@@ -140,7 +143,9 @@ for item in $SOURCES; do
   SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_$name]:-0}" 'BEGIN { printf "%.1f", a + b }')"
 done
 
-# (b) training: the embedded default drafter (block 16) on the regenerated chats
+[[ -n "$EXTRA_DATA" ]] && TRAIN_DATA="$TRAIN_DATA,$EXTRA_DATA"
+
+# (b) training: the embedded default drafter (block 16) on the regenerated chats (and sources)
 TRAIN_CLI=("${CLI[@]}")
 if (( TRAIN_GPUS > 1 )); then
   TRAIN_CLI=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$TRAIN_GPUS" -m dflash_train.cli)
@@ -179,7 +184,7 @@ PY
 cat > "$OUT/timings.json" <<JSON
 {"regenerate_s": ${SECONDS_OF[regenerate]}, "regenerate_sources_s": $SOURCES_S, "sources": "$SOURCES", "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
  "walk_validation_s": ${SECONDS_OF[walk_validation]}, "serve_validation_s": ${SECONDS_OF[serve_validation]},
- "regen_time_s": $REGEN_TIME_S, "validation": $VALIDATION, "eval_every": $EVAL_EVERY, "val_limit": $VAL_LIMIT,
+ "extra_data": "$EXTRA_DATA", "regen_time_s": $REGEN_TIME_S, "validation": $VALIDATION, "eval_every": $EVAL_EVERY, "val_limit": $VAL_LIMIT,
  "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "max_prompt_length": $MAX_PROMPT_LENGTH,
  "train_steps": $TRAIN_STEPS, "train_gpus": $TRAIN_GPUS, "train_args": "$TRAIN_ARGS",
  "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS, "eval_batch_size": $EVAL_BATCH_SIZE,

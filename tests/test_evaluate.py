@@ -426,14 +426,18 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     for key, value in settings.items():  # the header documents this very command
         assert (f"{key}={value} " if " " not in value else f'{key}="{value}"') in header, key
     out = tmp_path / "qr"
+    extra = tmp_path / "mine.jsonl"  # EXTRA_DATA: trained on as it is
+    extra.write_text(json.dumps({"conversations": [{"from": "human", "value": "Name a colour."},
+                                                   {"from": "gpt", "value": "Blue, like the sky at noon."}]}) + "\n")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "quality_run.sh")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600,
-                          env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+                          env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1",
+                                             EXTRA_DATA=str(extra)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sum(1 for _ in open(out / "regenerated.jsonl")) == 6
     assert sum(1 for _ in open(out / "regenerated-word-problems.jsonl")) == 3  # SOURCES, trained on too
     config = (out / "train" / "config.yaml").read_text()
-    assert "regenerated-word-problems.jsonl" in config
+    assert "regenerated-word-problems.jsonl" in config and str(extra) in config
     assert (out / "train" / "drafter" / "config.json").is_file()
     records = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "walked_tau" in r] == [2, 4]  # the validation walked every 2 steps
