@@ -161,7 +161,8 @@ def add_data_commands(commands) -> None:
                         "generated from --seed (question -> worked solution)")
     source.add_argument("--out", required=True, metavar="FILE", help="JSONL output (ShareGPT records)")
     source.add_argument("--limit", type=int, default=None, metavar="N",
-                        help="the first N records (python-functions: all by default; word-problems needs it)")
+                        help="the first N records (python-functions, python-packages: all by default; word-problems "
+                        "needs it)")
     source.add_argument("--seed", type=int, default=0, help="the order of python-functions, the problems of "
                         "word-problems (default %(default)s)")
     source.add_argument("--packages", default=None, metavar="NAMES",

@@ -204,9 +204,8 @@ def installed_packages(packages: tuple[str, ...] | list[str] | None = None) -> l
         return [name for name in PACKAGES if package_root(name) is not None]
     missing = [name for name in packages if package_root(name) is None]
     if missing:
-        raise InputError(f"--packages: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not an installed "
-                         f"package here (an import name whose folder importlib finds, e.g. torch, yaml); install "
-                         f"{'it' if len(missing) == 1 else 'them'} or leave {'it' if len(missing) == 1 else 'them'} out")
+        raise InputError(f"--packages: not installed here: {', '.join(missing)} (give import names whose package "
+                         f"folder importlib finds, e.g. torch, yaml); install them or leave them out")
     return list(packages)
 
 

@@ -224,7 +224,7 @@ def test_python_packages_reads_installed_packages_without_importing_them(install
 def test_python_packages_default_and_bad_package_lists(capsys, tmp_path):
     default = sources.installed_packages()
     assert {"torch", "transformers"} <= set(default) and set(default) <= set(sources.PACKAGES)
-    with pytest.raises(sources.InputError, match=r"--packages: no_such_pkg_here is not an installed package here"):
+    with pytest.raises(sources.InputError, match=r"--packages: not installed here: no_such_pkg_here \("):
         sources.installed_packages(["torch", "no_such_pkg_here"])
     out = str(tmp_path / "x.jsonl")
     assert cli.main(["data", "source", "--source", "python-functions", "--packages", "torch", "--out", out]) == 2
