@@ -269,7 +269,8 @@ def add_bench_command(commands) -> None:
     b.add_argument("--profile-steps", type=int, default=3, metavar="N",
                    help="steps run under torch.profiler after timing for the GPU idle share (CUDA; 0: none)")
     b.add_argument("--profile", action="store_true",
-                   help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output")
+                   help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output "
+                   "(decode: 10 regeneration steps at the largest --rows)")
     b.add_argument("--peak-tflops", type=float, default=None, metavar="X",
                    help="the chip's dense bf16 peak for MFU when it is not known by name")
     b.add_argument("--rows", default=None, metavar="N,N,...",
@@ -277,6 +278,9 @@ def add_bench_command(commands) -> None:
     b.add_argument("--eager-rows", default=None, metavar="N,N,...",
                    help="decode: the row counts also measured without graphs (default: all of --rows)")
     b.add_argument("--new-tokens", type=int, default=None, metavar="N", help="decode: tokens per request (128)")
+    b.add_argument("--prompt-lengths", default=None, metavar="LO,HI",
+                   help="decode: prompt lengths drawn uniformly from LO..HI tokens (64,512; real chats: e.g. "
+                   "16,1024 with --new-tokens 320)")
     b.add_argument("--target", default=None, metavar="DIR",
                    help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")

@@ -7,7 +7,9 @@ randomly initialised target of a real shape (SmolLM2-135M by default; `--target`
 folder) and a random drafter. A random drafter is rarely accepted, so the speculative figure
 that matters is the cost of one cycle (drafter block step + verify step + host work) in target
 decode steps: speedup = tau / that ratio. Capture time is measured and kept out of the rates.
-The last line is one JSON object.
+With `--profile`, a few regeneration steps at the largest row count are run again under
+torch.profiler once every row is live, and its operator table (device time on a GPU) is written
+to bench-decode-kernels.txt. The last line is one JSON object.
 
 Shape legend: R rows, P prompt tokens, N new tokens per request.
 """
@@ -26,6 +28,7 @@ DEFAULT_PROMPT = (64, 512)  # prompt lengths drawn uniformly from this range
 DEFAULT_NEW_TOKENS = 128
 DEFAULT_DRAFTER_LAYERS = 5
 BLOCK_SIZE = 16
+PROFILE_STEPS = 10
 
 
 def _sync(device) -> None:
@@ -66,14 +69,16 @@ def _prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[
 
 
 def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt_lengths: tuple[int, int],
-                      requests: int, seed: int = 0) -> dict:
+                      requests: int, seed: int = 0, profile_path: Path | None = None) -> dict:
     """Tokens/s of SlotDecoder with `rows` rows over `requests` requests (no stop tokens: every
-    request runs its whole budget), after one warm-up pass that captures the graphs."""
+    request runs its whole budget), after one warm-up pass that captures the graphs; with
+    `profile_path`, then profile_regeneration."""
     from dflash_train.decode import SlotDecoder
 
     device = model.get_input_embeddings().weight.device
     vocab = int(model.config.vocab_size)
-    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + new_tokens + 2, graphs=graphs)
+    capacity = prompt_lengths[1] + max(new_tokens, PROFILE_STEPS + 2) + 2
+    slots = SlotDecoder.for_model(model, rows, capacity, graphs=graphs)
     with torch.inference_mode():
         for i, p in enumerate(_prompts(min(rows, requests), prompt_lengths, vocab, seed + 1)):  # warm-up
             slots.add(("warm", i), p, new_tokens, i)
@@ -92,9 +97,44 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     capture = slots.steps.graphs.capture_seconds - warm_capture
     seconds = time.perf_counter() - started - capture
     tokens = slots.generated - before
-    return {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
-            "graphs_captured": slots.steps.graphs.num_captured}
+    entry = {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+             "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
+             "graphs_captured": slots.steps.graphs.num_captured}
+    if profile_path is not None:
+        entry["profile"] = profile_regeneration(slots, rows, new_tokens, prompt_lengths, vocab, seed, profile_path)
+    return entry
+
+
+def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tuple[int, int], vocab: int, seed: int,
+                         path: Path, steps: int = PROFILE_STEPS) -> dict:
+    """`steps` decode steps of `slots` with all `rows` rows live (fresh requests, prefilled and
+    stepped once first, so no refill falls in the window) under torch.profiler; its operator
+    table, sorted by device time on a GPU (self CPU time on a CPU), is written to `path`.
+    Returns what was profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = slots.device
+    budget = max(new_tokens, steps + 2)
+    with torch.inference_mode():
+        for i, p in enumerate(_prompts(rows, prompt_lengths, vocab, seed + 2)):
+            slots.add(("profile", i), p, budget, i)
+        slots.step()  # the refill (prefill) and the first step, outside the window
+        _sync(device)
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                slots.step()
+            _sync(device)
+        seconds = time.perf_counter() - started
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} regeneration steps at {rows} rows (graphs: {slots.steps.graphs.enabled}), prompts of "
+                    f"{prompt_lengths[0]}..{prompt_lengths[1]} tokens, {seconds * 1e3:.1f} ms under the profiler, "
+                    f"sorted by {sort}\n{table}\n")
+    return {"rows": rows, "steps": steps, "seconds": seconds, "path": str(path), "sorted_by": sort}
 
 
 def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0) -> dict:
@@ -126,8 +166,10 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
 def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: str = "auto",
                      rows: tuple[int, ...] = DEFAULT_ROWS, new_tokens: int = DEFAULT_NEW_TOKENS,
                      prompt_lengths: tuple[int, int] = DEFAULT_PROMPT, requests_per_row: int = 2,
-                     eager_rows: tuple[int, ...] | None = None, turns: int = 3, log=print) -> dict:
-    """The whole benchmark; returns the report (the JSON object)."""
+                     eager_rows: tuple[int, ...] | None = None, turns: int = 3, profile_path: Path | None = None,
+                     log=print) -> dict:
+    """The whole benchmark; returns the report (the JSON object). With `profile_path`, the
+    largest row count's regeneration (with graphs where they run) is profiled too."""
     from dflash_train.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device, setting="--device")
@@ -139,16 +181,21 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
               "dtype": str(torch_dtype).removeprefix("torch."), "target": target or "random SmolLM2-135M shape",
               "new_tokens": new_tokens, "prompt_lengths": list(prompt_lengths), "regeneration": [], "batch_one": [],
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    measured = [r for r in rows if modes[0] or r in eager_rows]  # in the first pass
+    largest = max(measured) if measured else None
     for graphs in modes:
         for r in rows:
             if not graphs and r not in eager_rows:
                 continue
+            profiled = profile_path if graphs == modes[0] and r == largest else None
             entry = regeneration_rate(model, r, graphs=graphs, new_tokens=new_tokens, prompt_lengths=prompt_lengths,
-                                      requests=max(2, requests_per_row * r))
+                                      requests=max(2, requests_per_row * r), profile_path=profiled)
             report["regeneration"].append(entry)
             log(f"bench decode: regeneration rows {r:>4} {'graphs' if graphs else 'eager '}: "
                 f"{entry['tokens_per_s']:>9,.0f} tokens/s, {entry['ms_per_step']:.2f} ms/step "
                 f"(capture {entry['capture_s']:.1f} s)")
+            if profiled is not None:
+                log(f"bench decode: {PROFILE_STEPS} steps at {r} rows profiled: {profiled}")
         entry = batch_one(model, drafter, graphs=graphs, new_tokens=new_tokens, prompt_len=prompt_lengths[1],
                           turns=turns)
         report["batch_one"].append(entry)
@@ -176,6 +223,15 @@ def run_cli(args) -> int:
     rows, eager = counts("--rows", args.rows) or DEFAULT_ROWS, counts("--eager-rows", args.eager_rows)
     if args.new_tokens is not None and args.new_tokens < 1:
         problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    lengths = DEFAULT_PROMPT
+    if args.prompt_lengths is not None:
+        try:
+            lengths = tuple(int(v) for v in args.prompt_lengths.split(","))
+        except ValueError:
+            lengths = ()
+        if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
+            problems.append(f"--prompt-lengths {args.prompt_lengths}: give the shortest and longest prompt, "
+                            f"1 <= LO <= HI, e.g. 64,512")
     problem = output_file_problem(args.output) if args.output else None
     if problem is not None:
         problems.append(f"--output {args.output}: {problem}")
@@ -184,8 +240,12 @@ def run_cli(args) -> int:
         problems += problems_of(lambda: resolve_target_path(args.target, "--target"))
     if problems:
         raise InputError("; ".join(problems))
+    profile = None
+    if args.profile:
+        profile = (Path(args.output).parent if args.output else Path(".")) / "bench-decode-kernels.txt"
     report = run_decode_bench(target=args.target, device=args.device, rows=rows,
-                              new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, eager_rows=eager)
+                              new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, prompt_lengths=lengths,
+                              eager_rows=eager, profile_path=profile)
     line = json.dumps(report)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -241,3 +241,26 @@ def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, ca
         assert entry["tokens"] == 6 * max(2, 2 * entry["rows"]) and entry["tokens_per_s"] > 0
     (one,) = report["batch_one"]
     assert one["target_ms_per_token"] > 0 and one["cycle_in_target_steps"] > 0 and one["graphs_captured"] == 0
+
+
+def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
+    """--prompt-lengths sets the requests' prompts (the report says so); --profile writes the
+    operator table of profiled regeneration steps at the largest row count next to --output;
+    bad lengths are refused with the fix."""
+    out = tmp_path / "decode.json"
+    argv = ["bench", "--workload", "decode", "--target", "bundled:tiny-random-llama", "--rows", "1,2",
+            "--new-tokens", "4", "--prompt-lengths", "3,9", "--device", "cpu", "--profile", "--output", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["prompt_lengths"] == [3, 9]
+    assert [e["rows"] for e in report["regeneration"]] == [1, 2]  # CPU: eager rows 1 and 2 (no graph pass)
+    profiled = report["regeneration"][-1]["profile"]
+    assert "profile" not in report["regeneration"][0]
+    assert profiled["rows"] == 2 and profiled["steps"] == 10 and profiled["sorted_by"] == "self_cpu_time_total"
+    table = (tmp_path / "bench-decode-kernels.txt").read_text()
+    assert table.startswith("10 regeneration steps at 2 rows (graphs: False), prompts of 3..9 tokens")
+    assert "aten::" in table and profiled["path"] == str(tmp_path / "bench-decode-kernels.txt")
+    capsys.readouterr()
+    for bad in ("9,3", "0,5", "64", "a,b"):
+        assert cli.main(["bench", "--workload", "decode", "--prompt-lengths", bad, "--device", "cpu"]) == 2
+        assert f"--prompt-lengths {bad}: give the shortest and longest prompt" in capsys.readouterr().err
