@@ -178,6 +178,31 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def kv_bytes_per_row(config, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of the keys and values one StaticCache row of `capacity` columns holds for the
+    model of `config` in `dtype`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * int(text.num_hidden_layers) * int(heads) * int(head_dim) * int(capacity) * dtype.itemsize
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on `device`: the GPU's free memory, or on a CPU the
+    system's available memory (Linux's MemAvailable); None where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo", encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
 class StaticCache:
     """Keys/values of up to `rows` sequences, [rows, Hkv, capacity, Dh] per layer, column c of row
     r holding position c of slot r (see the module docstring). Same `update(k, v, layer_idx)` /

@@ -120,11 +120,11 @@ def check_gpu_memory(total_bytes: int) -> None:
 def regen_rows(plan: GpuDefault, free_bytes: int, config) -> int:
     """Rows the regeneration decodes at once: plan.regen_batch_size, or fewer (a multiple of 64)
     where their key/value caches would take more than half of the free GPU memory."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    columns = plan.max_prompt_length + plan.max_new_tokens + 2
-    per_row = 2 * text.num_hidden_layers * heads * head_dim * columns * 2  # keys and values, bf16
+    import torch
+
+    from dflash_train.decode import kv_bytes_per_row
+
+    per_row = kv_bytes_per_row(config, plan.max_prompt_length + plan.max_new_tokens + 2, torch.bfloat16)
     fit = int(free_bytes // 2 // per_row)
     rows = min(plan.regen_batch_size, max(1, fit))
     return rows if rows < 64 else rows // 64 * 64

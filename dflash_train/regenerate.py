@@ -365,6 +365,32 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
         next_out += 1
 
 
+CACHE_MEMORY_SHARE = 0.9  # of the free memory, at most, for the engine's key/value caches
+
+
+def check_cache_memory(model, device, settings: dict[str, Any]) -> None:
+    """The engine allocates key/value caches for batch_size rows of max_prompt_length +
+    max_new_tokens positions up front: where they would not fit in the memory free on the
+    device, a DataError says how much they need and the largest --batch-size that fits,
+    instead of the process dying of an out-of-memory kill."""
+    from dflash_train.decode import free_memory_bytes, kv_bytes_per_row
+
+    free = free_memory_bytes(device)
+    if free is None:
+        return
+    capacity = settings["max_prompt_length"] + settings["max_new_tokens"] + 2
+    per_row = kv_bytes_per_row(model.config, capacity, next(model.parameters()).dtype)
+    rows = int(settings["batch_size"])
+    if rows * per_row <= CACHE_MEMORY_SHARE * free:
+        return
+    fit = int(CACHE_MEMORY_SHARE * free // per_row)
+    hint = (f"lower --batch-size to at most {fit if fit < 64 else fit // 64 * 64}" if fit >= 1 else
+            "no row fits: lower --max-prompt-length or --max-new-tokens")
+    raise DataError(f"--batch-size {rows}: the decoding engine's key/value caches for {rows} rows of {capacity:,} "
+                    f"positions take {rows * per_row / 2**30:.1f} GiB on {device.type}, and {free / 2**30:.1f} GiB "
+                    f"are free there; {hint} (or shorten --max-prompt-length / --max-new-tokens)")
+
+
 def load_responder(target, device: str, settings: dict[str, Any], model=None, tokenizer=None):
     """(LocalResponder on the target, tokenizer): the target loaded once per process."""
     from dflash_train.target import load_target_model, resolve_device
@@ -378,6 +404,7 @@ def load_responder(target, device: str, settings: dict[str, Any], model=None, to
 
         tokenizer = AutoTokenizer.from_pretrained(target)
     model = model.to(dev).eval()
+    check_cache_memory(model, dev, settings)
     responder = LocalResponder(model, tokenizer, rows=settings["batch_size"],
                                max_new_tokens=settings["max_new_tokens"],
                                max_prompt_length=settings["max_prompt_length"], temperature=settings["temperature"],
@@ -503,8 +530,11 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
             f"{ahead_path(out)}; they are written without being regenerated")
     if done >= stop:
         return summary
+    # no more rows than the turns to answer: a small job allocates no caches it cannot fill
+    turns = sum(m["role"] == "assistant" for record in records[done:stop] for m in record.messages)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "batch_size": batch_size, "max_prompt_length": max_prompt_length, "seed": seed, "graphs": graphs}
+                "batch_size": min(batch_size, max(1, turns)), "max_prompt_length": max_prompt_length, "seed": seed,
+                "graphs": graphs}
     started = time.perf_counter()
     pool = None
     if servers:
@@ -551,6 +581,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     signals.restore()
             summary["num_new_tokens"] = responder.generated_tokens
             summary["capture_s"] = responder.capture_seconds
+            summary["rows"] = responder.capacity  # turns decoded at once (engine rows, or server concurrency)
         else:
             writer = _Writer(out)
             chunk = CHUNK_BATCHES * batch_size

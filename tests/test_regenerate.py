@@ -353,3 +353,34 @@ def test_turns_that_end_in_a_loop_are_counted(smollm2_tokenizer):
     assert len(lines) == 3 and stats["num_turns"] == 3
     assert (stats["num_unfinished"], stats["num_looping"]) == (2, 1)
     assert [json.loads(line)["conversations"][1].get("unfinished", False) for line in lines] == [True, False, True]
+
+
+def test_rows_are_capped_by_the_turns_and_caches_that_do_not_fit_are_refused(tmp_path, tiny_target, monkeypatch):
+    """A small job decodes no more rows than it has turns (no caches it cannot fill); where the
+    caches of --batch-size rows would not fit the free memory, a DataError names what they take
+    and the largest batch size that fits, before anything is written."""
+    from transformers import AutoConfig
+
+    from dflash_train import decode
+
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:2])  # 4 assistant turns
+    summary = run([src], tiny_target, tmp_path / "small.jsonl", batch_size=1024)
+    assert summary["rows"] == 4 and summary["num_turns"] == 4
+    assert run([src], tiny_target, tmp_path / "two.jsonl", batch_size=2)["rows"] == 2
+    assert (tmp_path / "small.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()  # fp32: rows change nothing
+
+    config = AutoConfig.from_pretrained(tiny_target)  # 2 layers, 2 key/value heads of 16
+    per_row = 2 * 2 * 2 * 16 * (1024 + 6 + 2) * 4  # keys and values, layers, heads, head size, positions, fp32
+    assert decode.kv_bytes_per_row(config, 1024 + 6 + 2, torch.float32) == per_row
+    assert decode.free_memory_bytes(torch.device("cpu")) > 0
+    monkeypatch.setattr(decode, "free_memory_bytes", lambda device: int(300.5 * per_row / 0.9))
+    many = write_jsonl(tmp_path / "many.jsonl", SHAREGPT * 40)  # 720 turns
+    out = tmp_path / "refused.jsonl"
+    with pytest.raises(data.DataError) as err:
+        run([many], tiny_target, out, batch_size=512, max_prompt_length=1024)
+    message = str(err.value)
+    assert message.startswith("--batch-size 512: the decoding engine's key/value caches for 512 rows of 1,032 "
+                              "positions take ") and "lower --batch-size to at most 256" in message
+    assert not out.exists()
+    fits = run([many], tiny_target, tmp_path / "fits.jsonl", batch_size=300, max_prompt_length=1024, limit=150)
+    assert fits["rows"] == 300 and fits["num_written"] == 150  # 300 rows take just under 90% of the free memory
