@@ -29,6 +29,10 @@
 #                                            "name:count ..." (`dflash-train data source`; recipe.py's
 #                                            QUALITY_SOURCES: "python-functions:10000
 #                                            word-problems:4000"); SOURCES= for none
+#   SOURCE_SAMPLES [0]                       more answers per source prompt: each source regenerated
+#                                            this many more times, sampled (seeds 1..N) at
+#   SAMPLE_TEMPERATURE [1.0]  SAMPLE_TOP_P [0.95]   these settings, and trained on too (the
+#                                            validation split keeps a prompt's answers together)
 #   EXTRA_DATA []                            more training data as it is (not regenerated): chat
 #                                            files or prepared folders, comma-separated
 #   TRAIN_STEPS [3300]  TRAIN_TIME_S [900]   training ends at whichever comes first; the LR
@@ -70,6 +74,9 @@ REGEN_BATCH_SIZE="${REGEN_BATCH_SIZE:-1024}"
 REGEN_WORKERS="${REGEN_WORKERS:-1}"
 REGEN_ARGS="${REGEN_ARGS:-}"
 EXTRA_DATA="${EXTRA_DATA:-}"
+SOURCE_SAMPLES="${SOURCE_SAMPLES:-0}"
+SAMPLE_TEMPERATURE="${SAMPLE_TEMPERATURE:-1.0}"
+SAMPLE_TOP_P="${SAMPLE_TOP_P:-0.95}"
 SOURCES="${SOURCES-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_SOURCES; print(*(f"{n}:{c}" for n, c in QUALITY_SOURCES))')}"  # empty: none
 TRAIN_STEPS="${TRAIN_STEPS:-3300}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
@@ -141,6 +148,21 @@ for item in $SOURCES; do
   echo "== regenerated: $(wc -l < "$answered") records in $answered"
   TRAIN_DATA="$TRAIN_DATA,$answered"
   SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_$name]:-0}" 'BEGIN { printf "%.1f", a + b }')"
+  for ((k = 1; k <= SOURCE_SAMPLES; k++)); do  # sampled answers to the same prompts (resumed like the rest)
+    sampled="$OUT/regenerated-$name-t$SAMPLE_TEMPERATURE-p$SAMPLE_TOP_P-s$k.jsonl"
+    have=0
+    [[ -f "$sampled" ]] && have="$(wc -l < "$sampled")"
+    if (( have < $(wc -l < "$prompts") )); then
+      # shellcheck disable=SC2086  # REGEN_ARGS is a list of options; the sampling settings come after it
+      stage "regenerate_${name}_s$k" "${CLI[@]}" data regenerate --data "$prompts" --target "$TARGET" --out "$sampled" \
+        --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-length "$MAX_PROMPT_LENGTH" --batch-size "$REGEN_BATCH_SIZE" \
+        --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS --temperature "$SAMPLE_TEMPERATURE" \
+        --top-p "$SAMPLE_TOP_P" --seed "$k"
+    fi
+    echo "== regenerated: $(wc -l < "$sampled") sampled records in $sampled"
+    TRAIN_DATA="$TRAIN_DATA,$sampled"
+    SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_${name}_s$k]:-0}" 'BEGIN { printf "%.1f", a + b }')"
+  done
 done
 
 [[ -n "$EXTRA_DATA" ]] && TRAIN_DATA="$TRAIN_DATA,$EXTRA_DATA"
@@ -184,7 +206,8 @@ PY
 cat > "$OUT/timings.json" <<JSON
 {"regenerate_s": ${SECONDS_OF[regenerate]}, "regenerate_sources_s": $SOURCES_S, "sources": "$SOURCES", "train_s": ${SECONDS_OF[train]}, "eval_s": ${SECONDS_OF[eval]},
  "walk_validation_s": ${SECONDS_OF[walk_validation]}, "serve_validation_s": ${SECONDS_OF[serve_validation]},
- "extra_data": "$EXTRA_DATA", "regen_time_s": $REGEN_TIME_S, "validation": $VALIDATION, "eval_every": $EVAL_EVERY, "val_limit": $VAL_LIMIT,
+ "extra_data": "$EXTRA_DATA", "source_samples": $SOURCE_SAMPLES,
+ "sample_temperature": $SAMPLE_TEMPERATURE, "sample_top_p": $SAMPLE_TOP_P, "regen_time_s": $REGEN_TIME_S, "validation": $VALIDATION, "eval_every": $EVAL_EVERY, "val_limit": $VAL_LIMIT,
  "target": "$TARGET", "num_records": $NUM_RECORDS, "max_new_tokens": $MAX_NEW_TOKENS, "max_prompt_length": $MAX_PROMPT_LENGTH,
  "train_steps": $TRAIN_STEPS, "train_gpus": $TRAIN_GPUS, "train_args": "$TRAIN_ARGS",
  "train_time_s": $TRAIN_TIME_S, "eval_limit": $EVAL_LIMIT, "eval_max_new_tokens": $EVAL_MAX_NEW_TOKENS, "eval_batch_size": $EVAL_BATCH_SIZE,

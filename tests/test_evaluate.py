@@ -432,12 +432,17 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "quality_run.sh")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600,
                           env=subprocess_env(**settings, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1",
-                                             EXTRA_DATA=str(extra)))
+                                             EXTRA_DATA=str(extra), SOURCE_SAMPLES="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sum(1 for _ in open(out / "regenerated.jsonl")) == 6
     assert sum(1 for _ in open(out / "regenerated-word-problems.jsonl")) == 3  # SOURCES, trained on too
     config = (out / "train" / "config.yaml").read_text()
     assert "regenerated-word-problems.jsonl" in config and str(extra) in config
+    sampled = out / "regenerated-word-problems-t1.0-p0.95-s1.jsonl"  # SOURCE_SAMPLES=1: one sampled answer more
+    assert str(sampled) in config and sum(1 for _ in open(sampled)) == 3
+    greedy = [json.loads(line) for line in open(out / "regenerated-word-problems.jsonl")]
+    again = [json.loads(line) for line in open(sampled)]
+    assert [r["id"] for r in again] == [r["id"] for r in greedy] and again != greedy  # same prompts, other answers
     assert (out / "train" / "drafter" / "config.json").is_file()
     records = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "walked_tau" in r] == [2, 4]  # the validation walked every 2 steps
