@@ -384,11 +384,11 @@ def check_cache_memory(model, device, settings: dict[str, Any]) -> None:
     if rows * per_row <= CACHE_MEMORY_SHARE * free:
         return
     fit = int(CACHE_MEMORY_SHARE * free // per_row)
-    hint = (f"lower --batch-size to at most {fit if fit < 64 else fit // 64 * 64}" if fit >= 1 else
-            "no row fits: lower --max-prompt-length or --max-new-tokens")
+    hint = (f"lower --batch-size to at most {fit if fit < 64 else fit // 64 * 64} (or shorten --max-prompt-length / "
+            f"--max-new-tokens)" if fit >= 1 else "no row fits: lower --max-prompt-length or --max-new-tokens")
     raise DataError(f"--batch-size {rows}: the decoding engine's key/value caches for {rows} rows of {capacity:,} "
                     f"positions take {rows * per_row / 2**30:.1f} GiB on {device.type}, and {free / 2**30:.1f} GiB "
-                    f"are free there; {hint} (or shorten --max-prompt-length / --max-new-tokens)")
+                    f"are free there; {hint}")
 
 
 def load_responder(target, device: str, settings: dict[str, Any], model=None, tokenizer=None):
