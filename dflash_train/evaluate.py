@@ -299,7 +299,10 @@ def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]
         stat.mismatched = base.output_ids != gen.output_ids
     stats.append(stat)
     answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
-    messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+    # the text as generated (regenerate decodes it the same way): transformers 4.x would strip
+    # spaces before punctuation under some tokenizers' clean-up setting, and 5.x warns of it
+    text = tokenizer.decode(answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    messages.append({"role": "assistant", "content": text})
 
 
 def decode_record(engine: specdec.Decoder, tokenizer, record: PromptRecord, index: int, *, name: str,

@@ -462,3 +462,26 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     assert timings["sources"] == "word-problems:3" and timings["regenerate_sources_s"] > 0
     assert timings["walk_validation_s"] > 0 and timings["serve_validation_s"] > 0
     assert (out / "eval.md").is_file() and (out / "eval.png").is_file()
+
+
+def test_a_turns_answer_reaches_the_next_turn_as_generated(smollm2_path):
+    """The next turn sees our answer decoded without the tokenizer's clean-up of spaces before
+    punctuation (which transformers 4.x applies where a tokenizer asks for it), so its context is
+    the same under every transformers version: the decoded text re-encodes to the same ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    calls = []
+
+    class Recording:
+        def decode(self, ids, **kwargs):
+            calls.append(kwargs)
+            return tokenizer.decode(ids, **kwargs)
+
+    answer = tokenizer.encode("Yes , it is . Done !", add_special_tokens=False)
+    gen = specdec.Generation(output_ids=answer + [tokenizer.eos_token_id], acceptance_lengths=[len(answer)],
+                             stopped=True)
+    entry, messages = {"id": "r", "acceptance_lengths": [], "output_ids": []}, []
+    evaluate._add_turn(entry, [], messages, Recording(), gen, None)
+    assert calls == [{"skip_special_tokens": True, "clean_up_tokenization_spaces": False}]
+    assert messages == [{"role": "assistant", "content": "Yes , it is . Done !"}]
