@@ -14,7 +14,8 @@ target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.p
   prefill of up to PREFILL_GRAPH_ROWS rows, the drafter's block step and prompt context write)
   runs eagerly on CPU, and on CUDA is captured once per shape bucket (rows x columns read) as a
   CUDA graph and replayed with fresh inputs copied into its static ones: a small model's step
-  costs kernel launches and host work, not GPU time, and a replay removes both. Eager and captured runs launch the same kernels, so they give the same numbers.
+  costs kernel launches and host work, not GPU time, and a replay removes both. Eager and
+  captured runs launch the same kernels, so they give the same numbers.
   Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
 - Token choice is sampling.py's `choose` (greedy, or position-hashed sampling), captured with
   the step: no generator state, no host work.
@@ -408,9 +409,7 @@ class TargetSteps:
         Rb = pick(R, self.rows)
         if self.graphs.buckets_small_steps and Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
             Pb = pick(P, self.widths)
-            ids_RP = torch.zeros(Rb, Pb, dtype=torch.long, device=self.device)
-            for i, p in enumerate(prompts):
-                ids_RP[i, : len(p)] = p.to(self.device)
+            ids_RP = _padded_ids(prompts, Rb, Pb, self.device)
             last_R = torch.cat([lengths - 1, lengths.new_full((Rb - R,), -1)])
             pos_RP = torch.arange(Pb, device=self.device).expand(Rb, Pb)
             pos_RP = torch.where(pos_RP <= last_R[:, None], pos_RP, -1)  # padding: written to the trash column
@@ -422,9 +421,7 @@ class TargetSteps:
             # Copied out: a graph's outputs are rewritten by its next replay, and by the replay of
             # a graph captured before it into the same pool.
             return first[:R].clone(), (feats[0][:R].clone() if feats and features else None)
-        ids_RP = torch.zeros(R, P, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids_RP[i, : len(p)] = p.to(self.device)
+        ids_RP = _padded_ids(prompts, R, P, self.device)
         pos_RP = torch.arange(P, device=self.device).expand(R, P)
         pos_RP = torch.where(pos_RP <= (lengths - 1)[:, None], pos_RP, -1)  # padding: written to the trash column
         # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
@@ -504,6 +501,15 @@ class TargetSteps:
         block_RB, pos_RB, seeds_R = _pad_rows(Rb, block_RB, pos_RB, seeds_R, pad_pos=-1)
         chosen, acc, *feats = self.graphs.run(("verify", Rb, W), self._verify_fn(W), block_RB, pos_RB, seeds_R)
         return chosen[:R], acc[:R], (feats[0][:R] if feats else None)
+
+
+def _padded_ids(prompts: list[torch.Tensor], rows: int, width: int, device) -> torch.Tensor:
+    """[rows, width] ids: the prompts right-padded with 0 (rows past the prompts all 0), put
+    together where they are and moved to `device` in one copy."""
+    home = prompts[0].device
+    ids = torch.nn.utils.rnn.pad_sequence([p.reshape(-1).to(home) for p in prompts], batch_first=True)
+    ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
+    return ids.to(device=device, dtype=torch.long)
 
 
 def _pad_rows(rows: int, *tensors, pad_pos: int):

@@ -144,7 +144,7 @@ def notice(plan: GpuDefault) -> str:
 def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
     """Regenerate (resumed), train (resumed), serve; returns the exit status (130 when a signal
     stopped a stage: rerunning the command resumes it)."""
-    from dflash_train import evaluate, regenerate
+    from dflash_train import evaluate
     from dflash_train.assets import sharegpt_json
     from dflash_train.config import load_config
     from dflash_train.train import train
@@ -161,18 +161,8 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
         rows = regen_rows(plan, free, AutoConfig.from_pretrained(resolve_target_path(plan.target)))
     path = plan.regenerated_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    have = sum(1 for _ in open(path, "rb")) if path.is_file() else 0
-    if have < plan.records:
-        summary = regenerate.regenerate([str(plan.data or sharegpt_json())], plan.target, path,
-                                        max_new_tokens=plan.max_new_tokens, temperature=plan.regen_temperature,
-                                        batch_size=rows, max_prompt_length=plan.max_prompt_length,
-                                        device=plan.device, limit=plan.records - have, log=log)
-        if summary.get("stopped"):
-            return INTERRUPTED
-        log(f"dflash-train train: regenerated {summary['num_written']} conversations "
-            f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {path}")
-    else:
-        log(f"dflash-train train: {path} already holds {have} regenerated conversations")
+    if _regenerate_up_to(plan, plan.data or sharegpt_json(), path, plan.records, rows, "conversations", log):
+        return INTERRUPTED
     source_files = []
     for name, count in plan.sources:
         answered = _regenerate_source(plan, name, count, rows, log)
@@ -198,27 +188,38 @@ def run_gpu_default(plan: GpuDefault = GpuDefault(), log=print) -> int:
     return 0
 
 
+def _regenerate_up_to(plan: GpuDefault, data, out: Path, want: int, rows: int, what: str, log) -> bool:
+    """`out` regenerated from `data` until it holds `want` records (resumed; nothing to do when
+    it does), logged as `what`. True when a signal stopped it."""
+    from dflash_train import regenerate
+
+    have = sum(1 for _ in open(out, "rb")) if out.is_file() else 0
+    if have >= want:
+        log(f"dflash-train train: {out} already holds {have} regenerated {what}")
+        return False
+    summary = regenerate.regenerate([str(data)], plan.target, out, max_new_tokens=plan.max_new_tokens,
+                                    temperature=plan.regen_temperature, batch_size=rows,
+                                    max_prompt_length=plan.max_prompt_length, device=plan.device,
+                                    limit=want - have, log=log)
+    if summary.get("stopped"):
+        return True
+    log(f"dflash-train train: regenerated {summary['num_written']} {what} "
+        f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {out}")
+    return False
+
+
 def _regenerate_source(plan: GpuDefault, name: str, count: int, rows: int, log) -> Path | None:
     """Source `name`'s first `count` prompts written (seconds; the same every time on one
     installation, so a stopped regeneration resumes) and regenerated like the chats. Returns
     the regenerated file, None when a signal stopped it."""
-    from dflash_train import regenerate, sources
+    from dflash_train import sources
 
     prompts = plan.source_prompts(name, count)
     prompts.parent.mkdir(parents=True, exist_ok=True)
     total = sources.write_source(name, prompts, limit=count)
     answered = plan.source_answers(name, count, prompts)
-    have = sum(1 for _ in open(answered, "rb")) if answered.is_file() else 0
-    if have >= total:
-        log(f"dflash-train train: {answered} already holds {have} regenerated {name} records")
-        return answered
-    summary = regenerate.regenerate([str(prompts)], plan.target, answered, max_new_tokens=plan.max_new_tokens,
-                                    temperature=plan.regen_temperature, batch_size=rows,
-                                    max_prompt_length=plan.max_prompt_length, device=plan.device, log=log)
-    if summary.get("stopped"):
+    if _regenerate_up_to(plan, prompts, answered, total, rows, f"{name} records", log):
         return None
-    log(f"dflash-train train: regenerated {summary['num_written']} {name} records "
-        f"({summary.get('tokens_per_s') or 0:,.0f} new tokens/s) into {answered}")
     return answered
 
 

@@ -187,9 +187,11 @@ def package_root(name: str) -> Path | None:
     return Path(locations[0]) if locations and Path(locations[0]).is_dir() else None
 
 
-def package_version(name: str) -> str:
-    """The installed version of the distribution that provides import name `name`."""
-    for dist in importlib.metadata.packages_distributions().get(name, []) + [name]:
+def package_version(name: str, distributions: dict[str, list[str]] | None = None) -> str:
+    """The installed version of the distribution that provides import name `name`
+    (`distributions`: importlib.metadata.packages_distributions(), when the caller has it)."""
+    distributions = importlib.metadata.packages_distributions() if distributions is None else distributions
+    for dist in distributions.get(name, []) + [name]:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -213,8 +215,9 @@ def python_package_records(seed: int = 0, packages: tuple[str, ...] | list[str] 
     """Every documented function of the installed packages (installed_packages) as a record,
     all packages shuffled together by `seed`."""
     functions = []
+    distributions = importlib.metadata.packages_distributions()  # one scan of the installed ones
     for name in installed_packages(packages):
-        tag = f"{name}-{package_version(name)}"
+        tag = f"{name}-{package_version(name, distributions)}"
         functions += [(tag, f) for f in library_functions(package_root(name), package=name)]
     yield from _code_records("python-packages", functions, seed)
 

@@ -130,38 +130,31 @@ echo "== regenerated: $(wc -l < "$REGEN") records in $REGEN"
 # (a') offline prompt sources (SOURCES="name:count ..."): written by `data source`, regenerated
 # the same way (resumed), trained on beside the chats
 TRAIN_DATA="$REGEN" SOURCES_S=0
-for item in $SOURCES; do
-  name="${item%%:*}" count="${item#*:}"
-  [[ "$name" != "$item" && "$count" =~ ^[0-9]+$ ]] || { echo "SOURCES: $item is not name:count"; exit 2; }
-  prompts="$OUT/source-$name.jsonl" answered="$OUT/regenerated-$name.jsonl"
-  # rewritten every time (seconds): the same name, count and seed give the same lines, and a larger
-  # count the same first lines, so a partial regeneration of it resumes
-  "${CLI[@]}" data source --source "$name" --limit "$count" --out "$prompts"
-  have=0
+answer() {  # answer STAGE PROMPTS OUT [more regenerate options]: OUT resumed up to every prompt, trained on
+  local name="$1" prompts="$2" answered="$3"; shift 3
+  local have=0
   [[ -f "$answered" ]] && have="$(wc -l < "$answered")"
   if (( have < $(wc -l < "$prompts") )); then
-    # shellcheck disable=SC2086  # REGEN_ARGS is a list of options
-    stage "regenerate_$name" "${CLI[@]}" data regenerate --data "$prompts" --target "$TARGET" --out "$answered" \
+    # shellcheck disable=SC2086  # REGEN_ARGS is a list of options; the caller's options come after it
+    stage "$name" "${CLI[@]}" data regenerate --data "$prompts" --target "$TARGET" --out "$answered" \
       --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-length "$MAX_PROMPT_LENGTH" --batch-size "$REGEN_BATCH_SIZE" \
-      --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS
+      --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS "$@"
   fi
   echo "== regenerated: $(wc -l < "$answered") records in $answered"
   TRAIN_DATA="$TRAIN_DATA,$answered"
-  SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_$name]:-0}" 'BEGIN { printf "%.1f", a + b }')"
-  for ((k = 1; k <= SOURCE_SAMPLES; k++)); do  # sampled answers to the same prompts (resumed like the rest)
-    sampled="$OUT/regenerated-$name-t$SAMPLE_TEMPERATURE-p$SAMPLE_TOP_P-s$k.jsonl"
-    have=0
-    [[ -f "$sampled" ]] && have="$(wc -l < "$sampled")"
-    if (( have < $(wc -l < "$prompts") )); then
-      # shellcheck disable=SC2086  # REGEN_ARGS is a list of options; the sampling settings come after it
-      stage "regenerate_${name}_s$k" "${CLI[@]}" data regenerate --data "$prompts" --target "$TARGET" --out "$sampled" \
-        --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-length "$MAX_PROMPT_LENGTH" --batch-size "$REGEN_BATCH_SIZE" \
-        --workers "$REGEN_WORKERS" --device "$DEVICE" $REGEN_ARGS --temperature "$SAMPLE_TEMPERATURE" \
-        --top-p "$SAMPLE_TOP_P" --seed "$k"
-    fi
-    echo "== regenerated: $(wc -l < "$sampled") sampled records in $sampled"
-    TRAIN_DATA="$TRAIN_DATA,$sampled"
-    SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[regenerate_${name}_s$k]:-0}" 'BEGIN { printf "%.1f", a + b }')"
+  SOURCES_S="$(awk -v a="$SOURCES_S" -v b="${SECONDS_OF[$name]:-0}" 'BEGIN { printf "%.1f", a + b }')"
+}
+for item in $SOURCES; do
+  name="${item%%:*}" count="${item#*:}"
+  [[ "$name" != "$item" && "$count" =~ ^[0-9]+$ ]] || { echo "SOURCES: $item is not name:count"; exit 2; }
+  prompts="$OUT/source-$name.jsonl"
+  # rewritten every time (seconds): the same name, count and seed give the same lines, and a larger
+  # count the same first lines, so a partial regeneration of it resumes
+  "${CLI[@]}" data source --source "$name" --limit "$count" --out "$prompts"
+  answer "regenerate_$name" "$prompts" "$OUT/regenerated-$name.jsonl"
+  for ((k = 1; k <= SOURCE_SAMPLES; k++)); do  # sampled answers to the same prompts
+    answer "regenerate_${name}_s$k" "$prompts" "$OUT/regenerated-$name-t$SAMPLE_TEMPERATURE-p$SAMPLE_TOP_P-s$k.jsonl" \
+      --temperature "$SAMPLE_TEMPERATURE" --top-p "$SAMPLE_TOP_P" --seed "$k"
   done
 done
 
