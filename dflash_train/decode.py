@@ -43,6 +43,7 @@ from dflash_train.sampling import choose
 
 MIN_WIDTH = 64
 PREFILL_GRAPH_ROWS = 8  # prefills of up to this many rows (a row bucket) replay a graph
+PREFILL_TOKENS = 32768  # a refill prefills at most this many prompt tokens (padded) per step
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -549,7 +550,7 @@ class SlotDecoder:
     live rows fit a smaller bucket, they are moved into the lowest slots."""
 
     def __init__(self, steps: TargetSteps, rows: int | None = None, *, stop_ids: Iterable[int] = (),
-                 refill: int | None = None, prefill_tokens: int = 32768) -> None:
+                 refill: int | None = None, prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.steps = steps
         self.device = steps.device
         rows = steps.cache.rows if rows is None else min(int(rows), steps.cache.rows)

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_train.decode import PREFILL_TOKENS
+
 DEFAULT_ROWS = (1, 64, 256, 512)
 DEFAULT_PROMPT = (64, 512)  # prompt lengths drawn uniformly from this range
 DEFAULT_NEW_TOKENS = 128
@@ -77,8 +79,8 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
 
     device = model.get_input_embeddings().weight.device
     vocab = int(model.config.vocab_size)
-    capacity = prompt_lengths[1] + max(new_tokens, PROFILE_STEPS + 2) + 2
-    slots = SlotDecoder.for_model(model, rows, capacity, graphs=graphs)
+    budget = new_tokens if profile_path is None else max(new_tokens, profile_budget(rows, prompt_lengths[1]))
+    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + budget + 2, graphs=graphs)
     with torch.inference_mode():
         for i, p in enumerate(_prompts(min(rows, requests), prompt_lengths, vocab, seed + 1)):  # warm-up
             slots.add(("warm", i), p, new_tokens, i)
@@ -105,20 +107,38 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     return entry
 
 
+def profile_budget(rows: int, longest_prompt: int, prefill_tokens: int = PREFILL_TOKENS,
+                   steps: int = PROFILE_STEPS) -> int:
+    """New tokens a profiled request needs so that none finishes before the profiled window
+    ends: a refill prefills at most `prefill_tokens` prompt tokens (at least one prompt) per
+    step, so filling `rows` rows takes at most ceil(rows / per_step) steps, then the window."""
+    per_step = max(1, prefill_tokens // max(1, longest_prompt))
+    return -(-rows // per_step) + steps + 2
+
+
 def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tuple[int, int], vocab: int, seed: int,
                          path: Path, steps: int = PROFILE_STEPS) -> dict:
-    """`steps` decode steps of `slots` with all `rows` rows live (fresh requests, prefilled and
-    stepped once first, so no refill falls in the window) under torch.profiler; its operator
-    table, sorted by device time on a GPU (self CPU time on a CPU), is written to `path`.
-    Returns what was profiled."""
+    """`steps` decode steps of `slots` with all `rows` rows live under torch.profiler: fresh
+    requests are stepped in first until none is pending (a refill prefills at most
+    `slots.prefill_tokens` prompt tokens a step, so long prompts fill the rows over several
+    steps), so no prefill falls in the window and every profiled step decodes every row. Its
+    operator table, sorted by device time on a GPU (self CPU time on a CPU), is written to
+    `path`. Returns what was profiled, with the steps the fill took and the live rows."""
     from torch.profiler import ProfilerActivity, profile
 
     device = slots.device
-    budget = max(new_tokens, steps + 2)
+    budget = max(new_tokens, profile_budget(rows, prompt_lengths[1], slots.prefill_tokens, steps))
     with torch.inference_mode():
         for i, p in enumerate(_prompts(rows, prompt_lengths, vocab, seed + 2)):
             slots.add(("profile", i), p, budget, i)
-        slots.step()  # the refill (prefill) and the first step, outside the window
+        fill_steps = 0
+        while slots.pending:  # the refills (prefills) and their steps, outside the window
+            slots.step()
+            fill_steps += 1
+        live = slots.num_live
+        if live != rows:
+            raise RuntimeError(f"profile: {live} of {rows} rows live after the fill; a request of {budget} new tokens "
+                               f"finished during it")
         _sync(device)
         cuda = device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -131,10 +151,11 @@ def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tupl
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{steps} regeneration steps at {rows} rows (graphs: {slots.steps.graphs.enabled}), prompts of "
-                    f"{prompt_lengths[0]}..{prompt_lengths[1]} tokens, {seconds * 1e3:.1f} ms under the profiler, "
-                    f"sorted by {sort}\n{table}\n")
-    return {"rows": rows, "steps": steps, "seconds": seconds, "path": str(path), "sorted_by": sort}
+    path.write_text(f"{steps} regeneration steps at {rows} rows, every row live (graphs: {slots.steps.graphs.enabled}), "
+                    f"prompts of {prompt_lengths[0]}..{prompt_lengths[1]} tokens, {seconds * 1e3:.1f} ms under the "
+                    f"profiler, sorted by {sort}\n{table}\n")
+    return {"rows": rows, "steps": steps, "seconds": seconds, "path": str(path), "sorted_by": sort,
+            "fill_steps": fill_steps, "live_rows": live}
 
 
 def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0) -> dict:

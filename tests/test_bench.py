@@ -258,9 +258,31 @@ def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
     assert "profile" not in report["regeneration"][0]
     assert profiled["rows"] == 2 and profiled["steps"] == 10 and profiled["sorted_by"] == "self_cpu_time_total"
     table = (tmp_path / "bench-decode-kernels.txt").read_text()
-    assert table.startswith("10 regeneration steps at 2 rows (graphs: False), prompts of 3..9 tokens")
+    assert table.startswith("10 regeneration steps at 2 rows, every row live (graphs: False), prompts of 3..9 tokens")
     assert "aten::" in table and profiled["path"] == str(tmp_path / "bench-decode-kernels.txt")
     capsys.readouterr()
     for bad in ("9,3", "0,5", "64", "a,b"):
         assert cli.main(["bench", "--workload", "decode", "--prompt-lengths", bad, "--device", "cpu"]) == 2
         assert f"--prompt-lengths {bad}: give the shortest and longest prompt" in capsys.readouterr().err
+
+
+def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
+    """The profiled steps decode every row and prefill nothing: requests whose prompts fill the
+    rows over several steps (a refill's prompt-token cap) are stepped in first, and their budget
+    outlasts the fill and the window."""
+    from dflash_train import decode_bench
+    from dflash_train.decode import SlotDecoder
+    from dflash_train.target import load_target_model
+
+    model, _ = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)
+    rows, lengths = 4, (5, 9)
+    budget = decode_bench.profile_budget(rows, lengths[1], prefill_tokens=9, steps=3)
+    assert budget == 4 + 3 + 2  # one 9-token prompt a step: four fill steps, then the window
+    slots = SlotDecoder.for_model(model, rows, lengths[1] + budget + 2, graphs=False, prefill_tokens=9)
+    prefills, prefill = [], slots.steps.prefill
+    slots.steps.prefill = lambda *a, **k: prefills.append(len(a[1])) or prefill(*a, **k)
+    path = tmp_path / "kernels.txt"
+    out = decode_bench.profile_regeneration(slots, rows, 1, lengths, int(model.config.vocab_size), 0, path, steps=3)
+    assert out["live_rows"] == rows and out["fill_steps"] == len(prefills) == 4 and prefills == [1, 1, 1, 1]
+    assert slots.num_live == rows and not slots.pending  # nothing prefilled or finished in the window
+    assert path.read_text().startswith("3 regeneration steps at 4 rows, every row live")
