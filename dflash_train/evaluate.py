@@ -20,7 +20,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +160,9 @@ class TurnStats:
     baseline_seconds: float | None = None
     baseline_tokens: int = 0
     mismatched: bool = False
+    first_difference: int | None = None
+    """Where the speculative output first differs from the target-only one (a token index; the
+    shorter output's length when one is a prefix of the other); None when they are equal."""
     record_id: str = ""
     turn: int = 0
     prompt_tokens: int = 0
@@ -191,6 +196,8 @@ class SetResult:
     """Those turns one by one (TurnStats.timing): what a turn's fixed cost and a cycle's cost
     are can be fitted from them."""
     mismatched_turns: int = 0
+    mismatches: list[dict] = field(default_factory=list)
+    """The mismatched turns: record id, turn, the first differing token, the tokens decoded."""
     checked: bool = False
     """Whether every turn was also decoded target-only (the losslessness check)."""
 
@@ -202,6 +209,8 @@ class SetResult:
         self.prompts.append(entry)
         self.new_tokens += sum(t.spec_tokens for t in turns)
         self.mismatched_turns += sum(t.mismatched for t in turns)
+        self.mismatches += [{"id": t.record_id, "turn": t.turn, "first_difference": t.first_difference,
+                             "new_tokens": t.spec_tokens} for t in turns if t.mismatched]
         self.checked = self.checked or any(t.baseline_seconds is not None for t in turns)
 
     def add_timings(self, turns: list[TurnStats], limit: int | None) -> None:
@@ -231,6 +240,7 @@ class SetResult:
             "speedup_turns": self.timed_turns,
             "timed": self.timed,
             "mismatched_turns": self.mismatched_turns if self.checked else None,
+            "mismatches": self.mismatches if self.checked else None,
             **(loop_fields(self.turns(), [o for p in self.prompts for o in p["output_ids"]])
                if all("output_ids" in p for p in self.prompts) else {}),
         }
@@ -284,6 +294,15 @@ def record_turn_seed(seed: int, index: int, turn: int) -> int:
     return seed * 1_000_003 + index * 101 + turn
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length when it is a
+    prefix of the other), None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]], tokenizer,
               gen: specdec.Generation, base: specdec.Generation | None, prompt_tokens: int = 0) -> None:
     """Book one decoded turn of a record: `gen`'s acceptance lengths, output and timing, with
@@ -296,7 +315,8 @@ def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]
                      spec_first_cycle_s=gen.first_cycle_seconds)
     if base is not None:
         stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
-        stat.mismatched = base.output_ids != gen.output_ids
+        stat.first_difference = first_difference(gen.output_ids, base.output_ids)
+        stat.mismatched = stat.first_difference is not None
     stats.append(stat)
     answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
     # the text as generated (regenerate decodes it the same way): transformers 4.x would strip
@@ -417,6 +437,14 @@ def markdown_summary(result: dict) -> str:
             f"| {name} | {v['num_prompts']} | {v['num_turns']} | {v['num_cycles']} | {fmt(v['tau'], '.3f')} "
             f"| {fmt(v['tau_cycles'], '.3f')} | {fmt(v['speedup'], '.2f')} | {fmt(v['mismatched_turns'], 'd')} |"
         )
+    differ = [f"{name} {v['mismatched_turns']} (first differing token: median "
+              f"{statistics.median(m['first_difference'] for m in v['mismatches']):g}, "
+              f"{min(m['first_difference'] for m in v['mismatches'])}-{max(m['first_difference'] for m in v['mismatches'])})"
+              for name, v in result["per_set"].items() if v.get("mismatches")]
+    if differ:
+        lines += ["", "Lossless mismatches, turns whose speculative and target-only outputs differ (in bf16 a "
+                  "verify step and a decode step round differently, so a near-tie can go either way; in float32 "
+                  "any mismatch is a defect): " + "; ".join(differ)]
     total = sum(result["histogram"]) or 1
     speedup = "speedup not measured" if result["speedup"] is None else (
         f"speedup {result['speedup']:.2f}x (target-only seconds per token / speculative seconds per token, over "

@@ -160,6 +160,33 @@ def test_combine_reports_the_papers_tau():
     assert doc["histogram"] == [2, 3, 0, 1]
 
 
+def test_mismatched_turns_say_where_the_two_outputs_first_differ():
+    """A turn whose speculative and target-only outputs differ is listed with the token where they
+    first differ (a prefix: the shorter one's length); the summary gives the median and range."""
+    assert evaluate.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert evaluate.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert evaluate.first_difference([1, 2], [1, 2, 3]) == 2 and evaluate.first_difference([4], []) == 0
+
+    class Text:
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    result, entry = evaluate.SetResult("s", 4), {"id": "r", "acceptance_lengths": [], "output_ids": []}
+    stats, messages = [], []
+    for spec, base in (([1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 3, 4], [1, 2, 9, 4]), ([1, 2, 3, 4, 5], [7, 2])):
+        evaluate._add_turn(entry, stats, messages, Text(), specdec.Generation(spec, [1] * (len(spec) - 1)),
+                           specdec.Generation(base))
+    result.add_record(entry, stats)
+    summary = result.summary()
+    assert summary["mismatched_turns"] == 2
+    assert summary["mismatches"] == [{"id": "r", "turn": 1, "first_difference": 2, "new_tokens": 4},
+                                     {"id": "r", "turn": 2, "first_difference": 0, "new_tokens": 5}]
+    text = evaluate.markdown_summary(evaluate.combine([result], {"temperature": 0.0}))
+    assert "s 2 (first differing token: median 1, 0-2)" in text
+    unchecked = evaluate.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
+    assert unchecked["mismatches"] is None and unchecked["mismatched_turns"] is None
+
+
 def test_loop_period_finds_the_loop_a_turn_ends_in():
     prose = list(range(100, 140))  # 40 distinct ids
     assert evaluate.loop_period(prose + [7] * 32) == 1
