@@ -410,3 +410,43 @@ def test_captured_slot_decoder_equals_eager(cuda_target):
         runs.append({f.key: f.output_ids for f in slots.run()})
     assert runs[0] == runs[1]
     assert [runs[0][i] for i in range(len(ps))] == [hf_greedy(model, p, 12 + i) for i, p in enumerate(ps)]
+
+
+def qwen2_shaped_target(device: str):
+    """Four layers of Qwen2.5-0.5B's layer shape (hidden 896, 14 query heads over 2 key/value heads
+    of 64, biased q/k/v, tied embedding and lm_head), random weights, a 4,096-token vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                      num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=512,
+                      rope_theta=1e6, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).to(device).eval()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_qwen2_shaped_target_is_lossless_batched_with_refills(device):
+    """The engine on Qwen2's real head layout (7 query heads per key/value head, so 7 grouped
+    query rows a decode step and 7 x B a verify step), in float32, with graphs where CUDA has
+    them: 6 prompts of mixed lengths through 4 rows (refills, rows retiring at their budgets),
+    target-only and speculative output both equal to transformers' greedy generate."""
+    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+
+    model = qwen2_shaped_target(device)
+    drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=8,
+                                                 mask_token_id=4095)).to(device).eval()
+    gen = torch.Generator().manual_seed(2)
+    ps = [torch.randint(0, 4094, (n,), generator=gen).tolist() for n in (5, 70, 23, 140, 9, 47)]
+    budgets = [20, 9, 31, 14, 26, 17]
+    refs = [hf_greedy(model, p, n) for p, n in zip(ps, budgets)]
+    graphs = device == "cuda"
+    with torch.inference_mode():
+        slots = SlotDecoder.for_model(model, 4, 192, graphs=graphs, refill=1)
+        for i, (p, n) in enumerate(zip(ps, budgets)):
+            slots.add(i, p, n, seed=i)
+        assert {f.key: f.output_ids for f in slots.run()} == dict(enumerate(refs))
+        engine = Decoder(model, DFlashProposer.for_target(drafter, model, graphs=graphs), graphs=graphs)
+        for rows in ((0, 1, 2, 3), (4, 5)):
+            specs = engine.speculate([ps[i] for i in rows], max(budgets[i] for i in rows))
+            assert [g.output_ids[:budgets[i]] for i, g in zip(rows, specs)] == [refs[i] for i in rows]
+        engine.close()
