@@ -159,7 +159,6 @@ class TurnStats:
     spec_cycles: int = 0
     baseline_seconds: float | None = None
     baseline_tokens: int = 0
-    mismatched: bool = False
     first_difference: int | None = None
     """Where the speculative output first differs from the target-only one (a token index; the
     shorter output's length when one is a prefix of the other); None when they are equal."""
@@ -168,6 +167,10 @@ class TurnStats:
     prompt_tokens: int = 0
     spec_first_token_s: float | None = None
     spec_first_cycle_s: float | None = None
+
+    @property
+    def mismatched(self) -> bool:
+        return self.first_difference is not None
 
     def timing(self) -> dict:
         """The turn in the set summary's `timed` list (timed turns only)."""
@@ -195,11 +198,14 @@ class SetResult:
     timed: list[dict] = field(default_factory=list)
     """Those turns one by one (TurnStats.timing): what a turn's fixed cost and a cycle's cost
     are can be fitted from them."""
-    mismatched_turns: int = 0
     mismatches: list[dict] = field(default_factory=list)
     """The mismatched turns: record id, turn, the first differing token, the tokens decoded."""
     checked: bool = False
     """Whether every turn was also decoded target-only (the losslessness check)."""
+
+    @property
+    def mismatched_turns(self) -> int:
+        return len(self.mismatches)
 
     def turns(self) -> list[list[int]]:
         return [t for p in self.prompts for t in p["acceptance_lengths"]]
@@ -208,7 +214,6 @@ class SetResult:
         """A decoded record: its entry (acceptance lengths, output ids) and the mismatches."""
         self.prompts.append(entry)
         self.new_tokens += sum(t.spec_tokens for t in turns)
-        self.mismatched_turns += sum(t.mismatched for t in turns)
         self.mismatches += [{"id": t.record_id, "turn": t.turn, "first_difference": t.first_difference,
                              "new_tokens": t.spec_tokens} for t in turns if t.mismatched]
         self.checked = self.checked or any(t.baseline_seconds is not None for t in turns)
@@ -316,7 +321,6 @@ def _add_turn(entry: dict, stats: list[TurnStats], messages: list[dict[str, str]
     if base is not None:
         stat.baseline_seconds, stat.baseline_tokens = base.seconds, len(base.output_ids)
         stat.first_difference = first_difference(gen.output_ids, base.output_ids)
-        stat.mismatched = stat.first_difference is not None
     stats.append(stat)
     answer = gen.output_ids[:-1] if gen.stopped else gen.output_ids
     # the text as generated (regenerate decodes it the same way): transformers 4.x would strip
@@ -437,10 +441,12 @@ def markdown_summary(result: dict) -> str:
             f"| {name} | {v['num_prompts']} | {v['num_turns']} | {v['num_cycles']} | {fmt(v['tau'], '.3f')} "
             f"| {fmt(v['tau_cycles'], '.3f')} | {fmt(v['speedup'], '.2f')} | {fmt(v['mismatched_turns'], 'd')} |"
         )
-    differ = [f"{name} {v['mismatched_turns']} (first differing token: median "
-              f"{statistics.median(m['first_difference'] for m in v['mismatches']):g}, "
-              f"{min(m['first_difference'] for m in v['mismatches'])}-{max(m['first_difference'] for m in v['mismatches'])})"
-              for name, v in result["per_set"].items() if v.get("mismatches")]
+    differ = []
+    for name, v in result["per_set"].items():
+        firsts = [m["first_difference"] for m in v.get("mismatches") or []]
+        if firsts:
+            differ.append(f"{name} {len(firsts)} (first differing token: median {statistics.median(firsts):g}, "
+                          f"{min(firsts)}-{max(firsts)})")
     if differ:
         lines += ["", "Lossless mismatches, turns whose speculative and target-only outputs differ (in bf16 a "
                   "verify step and a decode step round differently, so a near-tie can go either way; in float32 "
