@@ -7,13 +7,15 @@ target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.p
   of row r holds position c of the sequence in slot r (rows at different lengths need no padding
   between their tokens; a rejected draft position is overwritten before anything sees it).
   Column C - 1 is the trash column: padding writes go there and no mask ever shows it.
-- Position masks (`causal_position_mask`, `target_masks`): a key at column k is visible to the
-  query at position q when k <= q (and q - k < W in a sliding-window layer), so masks need no
-  bookkeeping of holes.
+- Attention (engine_attention.py): a key at column k is visible to the query at position q when
+  k <= q (and q - k < W in a sliding-window layer), so masks need no bookkeeping of holes; on a
+  CUDA GPU in half precision the target's decode and verify steps read each row's columns up to
+  its last query's position through FlashAttention's variable-length kernel, not the width.
 - `Graphs`: each step function (the target's one-token decode step and B-token verify step, its
   prefill of up to PREFILL_GRAPH_ROWS rows, the drafter's block step and prompt context write)
-  runs eagerly on CPU, and on CUDA is captured once per shape bucket (rows x columns read) as a
-  CUDA graph and replayed with fresh inputs copied into its static ones: a small model's step
+  runs eagerly on CPU, and on CUDA is captured once per shape bucket (rows, and columns read
+  where a step's attention reads a width) as a CUDA graph and replayed with fresh inputs
+  copied into its static ones: a small model's step
   costs kernel launches and host work, not GPU time, and a replay removes both. Eager and
   captured runs launch the same kernels, so they give the same numbers.
   Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
@@ -35,7 +37,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.engine_attention import (CAUSAL_ATTENTION, GROUPED_ATTENTION, VARLEN_ATTENTION, KeyCounts,
+                                           UseAttention, flash_varlen_supported, has_sliding_layers,
+                                           register_attention, target_masks)
 from dflash_train.loss import accepted_run_length
 from dflash_train.sampling import choose
 
@@ -74,103 +78,6 @@ def pick(value: int, buckets: Sequence[int]) -> int:
         if b >= value:
             return b
     raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def has_sliding_layers(config) -> bool:
-    """Whether a target config slides a window in any layer (as `target_masks` reads it)."""
-    types = set(getattr(config, "layer_types", None) or [])
-    return SLIDING_ATTENTION in types or (not types and getattr(config, "sliding_window", None) is not None)
-
-
-def causal_position_mask(query_pos_RQ: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
-    """[R, 1, Q, W] bool: the key at column (= position) k is visible to the query at position q
-    when k <= q, and q - k < window for a sliding-window layer (transformers' convention)."""
-    key_W = torch.arange(width, device=query_pos_RQ.device)
-    q = query_pos_RQ[:, None, :, None]
-    visible = key_W <= q
-    return visible & (q - key_W < window) if window else visible
-
-
-def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
-    """The target's attention mask for a StaticCache forward, as transformers takes a prepared
-    4-D mask (as given): one tensor, or a dict by layer type for models that mix full and
-    sliding-window layers (Qwen2/3, ...); a config with a window and no layer types slides in
-    every layer (Mistral)."""
-    window = getattr(config, "sliding_window", None) if has_sliding_layers(config) else None
-    if window is not None and getattr(config, "layer_types", None):
-        return {FULL_ATTENTION: causal_position_mask(query_pos_RQ, width),
-                SLIDING_ATTENTION: causal_position_mask(query_pos_RQ, width, window)}
-    return causal_position_mask(query_pos_RQ, width, window)
-
-
-# --------------------------------------------------------------------------- attention
-
-GROUPED_ATTENTION = "dflash_grouped_sdpa"
-
-
-def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The target's attention on the engine's steps, registered with transformers as
-    GROUPED_ATTENTION: one SDPA call per layer with the boolean position mask, the G query heads
-    that share a key/value head laid along the query axis, so every cached key and value is read
-    once. (transformers' own sdpa path copies K and V G times whenever a mask is given; on a
-    batched decode step that copy is most of the step's memory traffic.) Query head h uses
-    key/value head h // G, as transformers' `repeat_kv` pairs them. Softcapped or sink-biased
-    attention is left to transformers' sdpa function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    R, Hq, Q, D = query.shape
-    Hkv = key.shape[1]
-    G = Hq // Hkv
-    q = query.reshape(R, Hkv, G * Q, D)
-    mask = attention_mask
-    if mask is not None and G > 1:
-        M, W = mask.shape[1], mask.shape[-1]
-        mask = mask[:, :, None].expand(R, M, G, Q, W).reshape(R, M, G * Q, W)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(R, Hq, Q, D).transpose(1, 2), None
-
-
-CAUSAL_ATTENTION = "dflash_causal_sdpa"
-
-
-def causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The prefill's attention, registered as CAUSAL_ATTENTION: queries and keys are the same
-    right-padded positions 0..P-1 of each row, so plain causal attention is the position mask
-    (a real token never reaches padding, which lies after it), computed by SDPA's causal kernels
-    with grouped heads and no mask tensor ([R, 1, P, P] masks cost more than the attention)."""
-    enable_gqa = key.shape[1] != query.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                           enable_gqa=enable_gqa)
-    return out.transpose(1, 2), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, sdpa_mask)  # never used: masks come prepared
-    # CAUSAL_ATTENTION has no mask function: transformers then makes no mask and passes None.
-    AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
-
-
-class _Attention:
-    """Within the block, the model's layers use `implementation` (restored after)."""
-
-    def __init__(self, model, implementation: str = GROUPED_ATTENTION) -> None:
-        self.config, self.implementation = model.config, implementation
-
-    def __enter__(self) -> None:
-        self.previous = self.config._attn_implementation
-        self.config._attn_implementation = self.implementation
-
-    def __exit__(self, *exc) -> None:
-        self.config._attn_implementation = self.previous
 
 
 # --------------------------------------------------------------------------- the cache
@@ -212,7 +119,8 @@ class StaticCache:
     it as `past_key_values`.
 
     Before each forward, `bind(columns_RQ, width, row_index)` names the column each input token
-    is written to (a padding token's column is `trash`) and how many columns the forward reads;
+    is written to (a padding token's column is `trash`) and how many columns the forward reads
+    (None: every column, for attention that reads each row's own count of them);
     the forward's rows are slots 0..R-1, or the slots in `row_index` (prefill into chosen slots).
     Buffers are allocated at the first (eager) write, never inside a graph capture."""
 
@@ -228,8 +136,10 @@ class StaticCache:
     def trash(self) -> int:
         return self.capacity - 1
 
-    def bind(self, columns_RQ: torch.Tensor, width: int, row_index: torch.Tensor | None = None) -> None:
-        if width > self.trash:
+    def bind(self, columns_RQ: torch.Tensor, width: int | None, row_index: torch.Tensor | None = None) -> None:
+        if width is None:
+            width = self.capacity
+        elif width > self.trash:
             raise ValueError(f"a forward reading {width} columns needs capacity > {width}, have {self.capacity}")
         self.columns_RQ, self.width, self.row_index = columns_RQ, int(width), row_index
 
@@ -362,12 +272,22 @@ class Graphs:
 class TargetSteps:
     """The target's forwards on one StaticCache: prefill (a Graphs key per row and width bucket
     up to PREFILL_GRAPH_ROWS rows, eager at any shape above), the one-token decode step and the
-    B-token verify step (one Graphs key per row and width bucket). With `taps`, the verify step
-    (and prefill) also returns the tapped layers' features."""
+    B-token verify step (one Graphs key per row bucket with varlen attention, per row and width
+    bucket with masked attention). With `taps`, the verify step (and prefill) also returns the
+    tapped layers' features.
+
+    `attention` of the decode and verify steps: "varlen" (each row reads its own keys:
+    VARLEN_ATTENTION, FlashAttention where `flash_varlen_supported`, else its reference), "masked"
+    (the position mask over the width bucket: GROUPED_ATTENTION), or "auto" (varlen where
+    FlashAttention runs it, else masked: CPU and float32 keep the masked path)."""
+
+    ATTENTION = ("auto", "varlen", "masked")
 
     def __init__(self, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 taps=None, graphs: bool = True) -> None:
-        _register_attention()
+                 taps=None, graphs: bool = True, attention: str = "auto") -> None:
+        if attention not in self.ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {attention!r}")
+        register_attention()
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.cache = StaticCache(rows, capacity)
@@ -376,22 +296,36 @@ class TargetSteps:
         self.graphs = Graphs(self.device, graphs)
         self.rows = row_buckets(rows)
         self.widths = width_buckets(capacity)
+        self.flash = flash_varlen_supported(model)
+        self.varlen = attention == "varlen" or (attention == "auto" and self.flash)
+
+    @property
+    def attention(self) -> str:
+        """The decode and verify steps' attention as it runs: varlen-flash, varlen-reference or masked."""
+        return ("varlen-flash" if self.flash else "varlen-reference") if self.varlen else "masked"
 
     @property
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def _forward(self, ids_RQ, pos_RQ, width: int, row_index=None, logits_to_keep=0, causal: bool = False):
+    def _forward(self, ids_RQ, pos_RQ, width: int | None, row_index=None, logits_to_keep=0, causal: bool = False):
         """Padding tokens (position -1) write to the trash column and query as position 0, so
         that they see one key and stay finite; nothing reads what they produce. `causal`: the
         queries are positions 0..width-1 of every row (a prefill), attended causally with no
-        mask tensor (not for sliding-window targets)."""
-        self.cache.bind(torch.where(pos_RQ < 0, self.cache.trash, pos_RQ), width, row_index)
+        mask tensor (not for sliding-window targets). With varlen attention a decode or verify
+        step reads each row's own keys and `width` is not used (None)."""
+        varlen = self.varlen and not causal and row_index is None
+        self.cache.bind(torch.where(pos_RQ < 0, self.cache.trash, pos_RQ), None if varlen else width, row_index)
         pos_RQ = pos_RQ.clamp(min=0)
-        mask = None if causal else target_masks(self.model.config, pos_RQ, width)
-        with _Attention(self.model, CAUSAL_ATTENTION if causal else GROUPED_ATTENTION):
-            return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask,
-                              past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+        mask, extra, implementation = None, {}, CAUSAL_ATTENTION if causal else GROUPED_ATTENTION
+        if varlen:
+            extra["dflash_keys"] = KeyCounts.of(pos_RQ, self.capacity, self.model.config, self.flash)
+            implementation = VARLEN_ATTENTION
+        elif not causal:
+            mask = target_masks(self.model.config, pos_RQ, width)
+        with UseAttention(self.model, implementation):
+            return self.model(input_ids=ids_RQ, position_ids=pos_RQ, attention_mask=mask, past_key_values=self.cache,
+                              use_cache=True, logits_to_keep=logits_to_keep, **extra).logits
 
     def prefill(self, slots: torch.Tensor, prompts: list[torch.Tensor], seeds_R: torch.Tensor, features: bool = True):
         """Prompts (1-D id tensors) into slots `slots`, in one forward (right-padded; a padding
@@ -460,7 +394,12 @@ class TargetSteps:
             return (first_R,) if feats is None else (first_R, feats)
         return fn
 
-    def _decode_fn(self, width: int):
+    def _width(self, max_pos: int) -> int | None:
+        """A decode or verify step's width bucket, part of its graph key: None with varlen
+        attention (each row reads its own keys, so one graph per row bucket serves every width)."""
+        return None if self.varlen else pick(max_pos + 1, self.widths)
+
+    def _decode_fn(self, width: int | None):
         def fn(token_R, pos_R, seeds_R):
             logits = self._forward(token_R[:, None], pos_R[:, None], width)
             if self.taps is not None:
@@ -473,12 +412,12 @@ class TargetSteps:
         rows), each writing its token at column pos and choosing the token at pos + 1; `max_pos`
         (a host int) is the largest live position. Returns [R] tokens."""
         R = token_R.shape[0]
-        Rb, W = pick(R, self.rows), pick(max_pos + 1, self.widths)
+        Rb, W = pick(R, self.rows), self._width(max_pos)
         token_R, pos_R, seeds_R = _pad_rows(Rb, token_R, pos_R, seeds_R, pad_pos=-1)
         (out,) = self.graphs.run(("decode", Rb, W), self._decode_fn(W), token_R, pos_R, seeds_R)
         return out[:R]
 
-    def verify_body(self, block_RB, pos_RB, seeds_R, width: int):
+    def verify_body(self, block_RB, pos_RB, seeds_R, width: int | None):
         """The verify step itself (no buckets, no graph): (chosen [R, B], acc [R], features
         [R, B, F] or None)."""
         logits = self._forward(block_RB, pos_RB, width)
@@ -487,7 +426,7 @@ class TargetSteps:
         feats = self.taps.features() if self.taps is not None else None
         return chosen_RB, acc_R, feats
 
-    def _verify_fn(self, width: int):
+    def _verify_fn(self, width: int | None):
         def fn(block_RB, pos_RB, seeds_R):
             chosen_RB, acc_R, feats = self.verify_body(block_RB, pos_RB, seeds_R, width)
             return (chosen_RB, acc_R) + (() if feats is None else (feats,))
@@ -498,7 +437,7 @@ class TargetSteps:
         the target's token at every position [R, B], the accepted run of proposals [R]
         (loss.accepted_run_length's count) and the tapped features of the block [R, B, F]."""
         R = block_RB.shape[0]
-        Rb, W = pick(R, self.rows), pick(max_pos + 1, self.widths)
+        Rb, W = pick(R, self.rows), self._width(max_pos)
         block_RB, pos_RB, seeds_R = _pad_rows(Rb, block_RB, pos_RB, seeds_R, pad_pos=-1)
         chosen, acc, *feats = self.graphs.run(("verify", Rb, W), self._verify_fn(W), block_RB, pos_RB, seeds_R)
         return chosen[:R], acc[:R], (feats[0][:R] if feats else None)
@@ -567,9 +506,10 @@ class SlotDecoder:
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                  graphs: bool = True, **kw) -> "SlotDecoder":
+                  graphs: bool = True, attention: str = "auto", **kw) -> "SlotDecoder":
         """A SlotDecoder on its own TargetSteps (caches of `rows` x `capacity`)."""
-        return cls(TargetSteps(model, rows, capacity, temperature=temperature, top_p=top_p, graphs=graphs), **kw)
+        return cls(TargetSteps(model, rows, capacity, temperature=temperature, top_p=top_p, graphs=graphs,
+                               attention=attention), **kw)
 
     def add(self, key, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> None:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)

@@ -35,9 +35,10 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps,
-                                 causal_position_mask, pick, row_buckets, width_buckets)
+from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps, pick,
+                                 row_buckets, width_buckets)
 from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.engine_attention import causal_position_mask
 from dflash_train.loss import accepted_run_length
 from dflash_train.sampling import choose
 from dflash_train.target import LayerTaps
@@ -315,13 +316,14 @@ class Decoder:
     proposer's, sized for `rows` rows of `capacity` positions, grown when a call needs more.
     Graphs are captured once per shape bucket and reused by every later call;
     `capture_seconds` says how long capturing took. `graphs=False` runs everything eagerly
-    (what CPU always does)."""
+    (what CPU always does). `attention`: the target's decode and verify steps' (TargetSteps)."""
 
     def __init__(self, model, proposer: Proposer | None = None, *, rows: int = 1, capacity: int = 0,
-                 temperature: float = 0.0, top_p: float = 1.0, graphs: bool = True) -> None:
+                 temperature: float = 0.0, top_p: float = 1.0, graphs: bool = True, attention: str = "auto") -> None:
         self.model, self.proposer = model, proposer
         self.device = model.get_input_embeddings().weight.device
         self.temperature, self.top_p, self.use_graphs = float(temperature), float(top_p), bool(graphs)
+        self.attention = attention
         self.taps = LayerTaps(model, proposer.target_layer_ids) if proposer is not None else None
         self.target: TargetSteps | None = None
         self._fit(rows, capacity)
@@ -337,7 +339,7 @@ class Decoder:
             rows, capacity = max(rows, self.target.cache.rows), max(capacity, 2 * self.target.capacity)
             self.target.graphs.clear()  # freed here, outside any capture (Graphs._capture says why)
         self.target = TargetSteps(self.model, rows, capacity, temperature=self.temperature, top_p=self.top_p,
-                                  taps=self.taps, graphs=self.use_graphs)
+                                  taps=self.taps, graphs=self.use_graphs, attention=self.attention)
 
     @property
     def capture_seconds(self) -> float:

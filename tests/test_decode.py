@@ -265,6 +265,61 @@ def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
     eager.close()
 
 
+def test_varlen_attention_decodes_as_the_masked_engine(tiny_target, monkeypatch):
+    """Decode and verify steps whose rows each read their own keys (attention="varlen"; on CPU
+    the reference of FlashAttention's variable-length path: the position mask over the whole
+    cache, queries at the rows' last positions) through simulated graphs: target-only output
+    with refills and speculative output, alone and batched with padding rows, equal
+    transformers' greedy output and the masked engine's acceptance lengths; decode and verify
+    steps take one graph per row bucket, whatever their width."""
+    from dflash_train import decode, specdec
+
+    drafter = tiny_drafter(num_layers=2, block_size=4, num_taps=3)
+    ps = prompts([1, 6, 29, 13, 70], seed=3)
+    refs = [hf_greedy(tiny_target, p, 20) for p in ps]
+    masked = Decoder(tiny_target, DFlashProposer.for_target(drafter, tiny_target, graphs=False), graphs=False,
+                     attention="masked")
+    want = [masked.speculate([p], 20)[0].acceptance_lengths for p in ps]
+    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
+    monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
+    slots = SlotDecoder.for_model(tiny_target, 3, 128, attention="varlen", refill=1)
+    assert slots.steps.attention == "varlen-reference" and masked.target.attention == "masked"
+    for i, p in enumerate(ps):
+        slots.add(i, p, 20, seed=i)
+    assert {f.key: f.output_ids for f in slots.run()} == dict(enumerate(refs))
+    assert {k[2] for k in slots.steps.graphs.entries if k[0] == "decode"} == {None}
+    engine = Decoder(tiny_target, DFlashProposer.for_target(drafter, tiny_target), attention="varlen")
+    for _ in range(2):
+        assert [(g.output_ids, g.acceptance_lengths) for g in engine.speculate(ps[:3], 20)] == \
+            list(zip(refs[:3], want[:3]))
+        assert [engine.speculate([p], 20)[0].acceptance_lengths for p in ps] == want
+    # The cycle's graphs are keyed by the drafter's width; the target's verify inside reads by row.
+    assert {k[0] for k in engine.target.graphs.entries} <= {"prefill", "cycle", "decode"}
+    engine.close()
+    masked.close()
+
+
+def test_key_counts_place_each_rows_queries_at_its_last_positions():
+    """A decode step's row reads columns 0..pos; a verify block at p..p+Q-1 reads 0..p+Q-1 with
+    query i at p+i; a padding row (positions -1, clamped to 0) reads Q columns, so every query
+    of it sees a key."""
+    from dflash_train.engine_attention import KeyCounts
+
+    decode = KeyCounts.of(torch.tensor([[7], [0], [30]]), 64, tiny_target_config(), flash=False)
+    assert decode.last_R.tolist() == [7, 0, 30]
+    verify = KeyCounts.of(torch.tensor([[5, 6, 7, 8], [0, 0, 0, 0]]), 64, tiny_target_config(), flash=False)
+    assert verify.last_R.tolist() == [8, 3]
+    cfg = tiny_target_config()
+    hkv = cfg.num_key_value_heads
+    group = cfg.num_attention_heads // hkv
+    flash = KeyCounts.of(torch.tensor([[7], [0]]), 64, cfg, flash=True)
+    assert flash.used_N.tolist() == [8] * hkv + [1] * hkv and flash.used_N.dtype == torch.int32
+    assert flash.cu_q_N.tolist() == list(range(0, (2 * hkv + 1) * group, group))
+    assert flash.cu_k_N.tolist() == list(range(0, (2 * hkv + 1) * 64, 64))
+    flash = KeyCounts.of(torch.tensor([[5, 6, 7, 8]]), 64, cfg, flash=True)
+    assert flash.used_N.tolist() == [9] * hkv and flash.cu_q_N.tolist() == list(range(0, (hkv + 1) * 4, 4))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows):
     """More requests than rows, of different lengths and budgets, one ending on a stop token:
@@ -450,3 +505,35 @@ def test_qwen2_shaped_target_is_lossless_batched_with_refills(device):
             specs = engine.speculate([ps[i] for i in rows], max(budgets[i] for i in rows))
             assert [g.output_ids[:budgets[i]] for i, g in zip(rows, specs)] == [refs[i] for i in rows]
         engine.close()
+
+
+@gpu
+@pytest.mark.parametrize("queries", [1, 16])
+def test_flash_varlen_attention_equals_its_reference(queries):
+    """FlashAttention's variable-length path on the cache as it lies (per-row key counts, stale
+    columns past them, SmolLM2's 9 query heads over 3 key/value heads of 64), bf16, a padding
+    row included, against the position-mask reference; and a verify block's last query equals a
+    decode step at its position bit for bit (the two steps' kernels agree)."""
+    from dflash_train.engine_attention import KeyCounts, varlen_attention
+
+    torch.manual_seed(0)
+    R, Hkv, G, C, D = 5, 3, 3, 384, 64
+    cfg = tiny_target_config(hidden_size=Hkv * G * D, num_attention_heads=Hkv * G, num_key_value_heads=Hkv,
+                             head_dim=D)
+    k, v = (torch.randn(R, Hkv, C, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(R, Hkv * G, queries, D, device="cuda", dtype=torch.bfloat16)
+    first = torch.tensor([0, 17, 127, 300, 0], device="cuda")
+    pos = first[:, None] + torch.arange(queries, device="cuda")
+    pos[-1] = 0  # a padding row: every position clamped to 0
+    module = torch.nn.Module()
+
+    def attend(q, pos, flash):
+        keys = KeyCounts.of(pos, C, cfg, flash)
+        return varlen_attention(module, q, k, v, None, scaling=D ** -0.5, dflash_keys=keys)[0]
+
+    got, ref = attend(q, pos, True), attend(q, pos, False)
+    assert got.shape == ref.shape == (R, queries, Hkv * G, D)
+    assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=0), float((got - ref).abs().max())
+    if queries > 1:
+        last = attend(q[:, :, -1:].contiguous(), pos[:, -1:], True)
+        assert torch.equal(last[:-1], got[:-1, -1:])
