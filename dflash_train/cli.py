@@ -284,6 +284,9 @@ def add_bench_command(commands) -> None:
     b.add_argument("--target", default=None, metavar="DIR",
                    help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")
+    b.add_argument("--attention", choices=("auto", "varlen", "masked"), default="auto",
+                   help="decode: the target's attention in decode and verify steps (auto: each row's own keys "
+                   "through FlashAttention on a CUDA GPU in half precision, else the masked width bucket)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.compile=true")
     b.set_defaults(func=run_bench_command)
 

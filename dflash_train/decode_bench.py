@@ -71,7 +71,7 @@ def _prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[
 
 
 def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt_lengths: tuple[int, int],
-                      requests: int, seed: int = 0, profile_path: Path | None = None) -> dict:
+                      requests: int, seed: int = 0, profile_path: Path | None = None, attention: str = "auto") -> dict:
     """Tokens/s of SlotDecoder with `rows` rows over `requests` requests (no stop tokens: every
     request runs its whole budget), after one warm-up pass that captures the graphs; with
     `profile_path`, then profile_regeneration."""
@@ -80,7 +80,7 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     device = model.get_input_embeddings().weight.device
     vocab = int(model.config.vocab_size)
     budget = new_tokens if profile_path is None else max(new_tokens, profile_budget(rows, prompt_lengths[1]))
-    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + budget + 2, graphs=graphs)
+    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + budget + 2, graphs=graphs, attention=attention)
     with torch.inference_mode():
         for i, p in enumerate(_prompts(min(rows, requests), prompt_lengths, vocab, seed + 1)):  # warm-up
             slots.add(("warm", i), p, new_tokens, i)
@@ -101,7 +101,7 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     tokens = slots.generated - before
     entry = {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
              "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
-             "graphs_captured": slots.steps.graphs.num_captured}
+             "graphs_captured": slots.steps.graphs.num_captured, "attention": slots.steps.attention}
     if profile_path is not None:
         entry["profile"] = profile_regeneration(slots, rows, new_tokens, prompt_lengths, vocab, seed, profile_path)
     return entry
@@ -158,13 +158,14 @@ def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tupl
             "fill_steps": fill_steps, "live_rows": live}
 
 
-def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0) -> dict:
+def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0,
+              attention: str = "auto") -> dict:
     """Batch-1 ms per token of target-only and speculative decoding on one engine (graphs
     captured first), and the cost of a speculative cycle in target decode steps."""
     from dflash_train.specdec import Decoder, DFlashProposer
 
     proposer = DFlashProposer.for_target(drafter, model, graphs=graphs)
-    engine = Decoder(model, proposer, graphs=graphs)
+    engine = Decoder(model, proposer, graphs=graphs, attention=attention)
     prompts = _prompts(turns, (prompt_len, prompt_len), int(model.config.vocab_size), seed)
     engine.capture(rows=1, capacity=prompt_len + new_tokens + 2 * BLOCK_SIZE + 2)
     base_s = base_n = spec_s = spec_n = cycles = 0
@@ -181,6 +182,7 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
     return {"graphs": graphs, "target_ms_per_token": step_ms, "spec_ms_per_token": token_ms,
             "spec_ms_per_cycle": cycle_ms, "cycle_in_target_steps": cycle_ms / step_ms,
             "tau": (spec_n - len(prompts)) / max(cycles, 1), "capture_s": engine.capture_seconds,
+            "attention": engine.target.attention,
             "graphs_captured": engine.target.graphs.num_captured + proposer.graphs.num_captured}
 
 
@@ -188,7 +190,7 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
                      rows: tuple[int, ...] = DEFAULT_ROWS, new_tokens: int = DEFAULT_NEW_TOKENS,
                      prompt_lengths: tuple[int, int] = DEFAULT_PROMPT, requests_per_row: int = 2,
                      eager_rows: tuple[int, ...] | None = None, turns: int = 3, profile_path: Path | None = None,
-                     log=print) -> dict:
+                     attention: str = "auto", log=print) -> dict:
     """The whole benchmark; returns the report (the JSON object). With `profile_path`, the
     largest row count's regeneration (with graphs where they run) is profiled too."""
     from dflash_train.target import resolve_device, resolve_dtype
@@ -210,15 +212,15 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
                 continue
             profiled = profile_path if graphs == modes[0] and r == largest else None
             entry = regeneration_rate(model, r, graphs=graphs, new_tokens=new_tokens, prompt_lengths=prompt_lengths,
-                                      requests=max(2, requests_per_row * r), profile_path=profiled)
+                                      requests=max(2, requests_per_row * r), profile_path=profiled, attention=attention)
             report["regeneration"].append(entry)
             log(f"bench decode: regeneration rows {r:>4} {'graphs' if graphs else 'eager '}: "
                 f"{entry['tokens_per_s']:>9,.0f} tokens/s, {entry['ms_per_step']:.2f} ms/step "
-                f"(capture {entry['capture_s']:.1f} s)")
+                f"(capture {entry['capture_s']:.1f} s, attention {entry['attention']})")
             if profiled is not None:
                 log(f"bench decode: {PROFILE_STEPS} steps at {r} rows profiled: {profiled}")
         entry = batch_one(model, drafter, graphs=graphs, new_tokens=new_tokens, prompt_len=prompt_lengths[1],
-                          turns=turns)
+                          turns=turns, attention=attention)
         report["batch_one"].append(entry)
         log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}: target {entry['target_ms_per_token']:.2f} "
             f"ms/token, speculative cycle {entry['spec_ms_per_cycle']:.2f} ms = "
@@ -266,7 +268,7 @@ def run_cli(args) -> int:
         profile = (Path(args.output).parent if args.output else Path(".")) / "bench-decode-kernels.txt"
     report = run_decode_bench(target=args.target, device=args.device, rows=rows,
                               new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, prompt_lengths=lengths,
-                              eager_rows=eager, profile_path=profile)
+                              eager_rows=eager, profile_path=profile, attention=args.attention)
     line = json.dumps(report)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
