@@ -241,6 +241,7 @@ def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, ca
         assert entry["tokens"] == 6 * max(2, 2 * entry["rows"]) and entry["tokens_per_s"] > 0
     (one,) = report["batch_one"]
     assert one["target_ms_per_token"] > 0 and one["cycle_in_target_steps"] > 0 and one["graphs_captured"] == 0
+    assert {e["attention"] for e in report["regeneration"] + report["batch_one"]} == {"masked"}  # auto on CPU
 
 
 def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
@@ -249,10 +250,12 @@ def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
     bad lengths are refused with the fix."""
     out = tmp_path / "decode.json"
     argv = ["bench", "--workload", "decode", "--target", "bundled:tiny-random-llama", "--rows", "1,2",
-            "--new-tokens", "4", "--prompt-lengths", "3,9", "--device", "cpu", "--profile", "--output", str(out)]
+            "--new-tokens", "4", "--prompt-lengths", "3,9", "--device", "cpu", "--profile", "--output", str(out),
+            "--attention", "varlen"]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["prompt_lengths"] == [3, 9]
+    assert {e["attention"] for e in report["regeneration"] + report["batch_one"]} == {"varlen-reference"}
     assert [e["rows"] for e in report["regeneration"]] == [1, 2]  # CPU: eager rows 1 and 2 (no graph pass)
     profiled = report["regeneration"][-1]["profile"]
     assert "profile" not in report["regeneration"][0]
