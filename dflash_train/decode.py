@@ -38,8 +38,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from dflash_train.engine_attention import (CAUSAL_ATTENTION, GROUPED_ATTENTION, VARLEN_ATTENTION, KeyCounts,
-                                           UseAttention, flash_varlen_supported, has_sliding_layers,
-                                           register_attention, target_masks)
+                                           UseAttention, attention_heads, flash_varlen_supported,
+                                           has_sliding_layers, register_attention, target_masks)
 from dflash_train.loss import accepted_run_length
 from dflash_train.sampling import choose
 
@@ -91,9 +91,8 @@ def kv_bytes_per_row(config, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of the keys and values one StaticCache row of `capacity` columns holds for the
     model of `config` in `dtype`."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * int(text.num_hidden_layers) * int(heads) * int(head_dim) * int(capacity) * dtype.itemsize
+    _, kv_heads, head_dim = attention_heads(text)
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * int(capacity) * dtype.itemsize
 
 
 def free_memory_bytes(device: torch.device) -> int | None:

@@ -27,6 +27,16 @@ from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 # --------------------------------------------------------------------------- masks
 
 
+def attention_heads(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a target config (its text config for a
+    multimodal one), with transformers' defaults: key/value heads = query heads, head size =
+    hidden size / query heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    return heads, kv_heads, int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+
+
 def has_sliding_layers(config) -> bool:
     """Whether a target config slides a window in any layer (as `target_masks` reads it)."""
     types = set(getattr(config, "layer_types", None) or [])
@@ -125,9 +135,8 @@ class KeyCounts:
         last_R = torch.clamp(pos_RQ[:, -1], min=Q - 1)
         if not flash:
             return cls(last_R, False)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        group = int(text.num_attention_heads) // hkv
+        heads, hkv, _ = attention_heads(config)
+        group = heads // hkv
         n, device = R * hkv, pos_RQ.device
         step = group if Q == 1 else Q
         return cls(last_R, True, (last_R + 1).to(torch.int32).repeat_interleave(hkv),
@@ -178,7 +187,7 @@ def flash_varlen_supported(model) -> bool:
     in every layer (no sliding window, no logit softcap), a head size FlashAttention takes."""
     weight = model.get_input_embeddings().weight
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_heads(config)[2]
     return (weight.device.type == "cuda" and weight.dtype in (torch.float16, torch.bfloat16)
             and torch.cuda.get_device_capability(weight.device)[0] >= 8
             and hasattr(torch.ops.aten, "_flash_attention_forward")
