@@ -140,6 +140,9 @@ def add_data_commands(commands) -> None:
                        "%(default)s; on a GPU try 256-512)")
     regen.add_argument("--no-graphs", action="store_true",
                        help="run every decoding step eagerly (no CUDA graphs; CPU always does)")
+    regen.add_argument("--no-overlap", action="store_true",
+                       help="read each decode step's tokens before queueing the next (the host's work then runs "
+                       "in series with the GPU's; by default the next step is queued first)")
     regen.add_argument("--max-prompt-length", type=int, default=data.DEFAULT_MAX_LENGTH, metavar="N",
                        help="a conversation is cut before the first turn whose prompt is longer")
     regen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -284,6 +287,8 @@ def add_bench_command(commands) -> None:
     b.add_argument("--target", default=None, metavar="DIR",
                    help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")
+    b.add_argument("--no-overlap", action="store_true",
+                   help="decode: regeneration reads each step's tokens before queueing the next")
     b.add_argument("--attention", choices=("auto", "varlen", "masked"), default="auto",
                    help="decode: the target's attention in decode and verify steps (auto: each row's own keys "
                    "through FlashAttention on a CUDA GPU in half precision, else the masked width bucket)")

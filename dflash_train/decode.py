@@ -21,8 +21,8 @@ target-only decoding and regeneration (regenerate.py) and evaluation (evaluate.p
   Capture time is counted (`Graphs.capture_seconds`) and reported by the callers.
 - Token choice is sampling.py's `choose` (greedy, or position-hashed sampling), captured with
   the step: no generator state, no host work.
-- `SlotDecoder`: target-only decoding with rows refilled as they finish (continuous batching),
-  the engine of `data regenerate`.
+- Continuous batching over these steps (target-only decoding with rows refilled as they finish,
+  the engine of `data regenerate`) is slots.py's `SlotDecoder`.
 
 Shape legend: R rows, Q tokens per row in one forward, C cache columns, W columns a forward
 reads (its width bucket), V vocabulary, F tapped features, B block size.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -462,157 +462,3 @@ def _pad_rows(rows: int, *tensors, pad_pos: int):
         pad = t.new_full((rows - R, *t.shape[1:]), pad_pos if i == 1 else 0)
         out.append(torch.cat([t, pad]))
     return out
-
-
-# --------------------------------------------------------------------------- continuous batching
-
-
-@dataclass
-class Finished:
-    key: object
-    output_ids: list[int]
-    stopped: bool
-
-
-class SlotDecoder:
-    """Target-only decoding of many prompts with rows refilled as they finish: `add` queues a
-    prompt (ids, budget, seed) under a key; each `step` refills free slots (once at least
-    `refill` of them are free, or when nothing runs), decodes one token for every live row and
-    returns the requests that finished. A row's output depends only on its own prompt, seed and
-    budget (position-hashed sampling; at T = 0 in float32 the tokens do not depend on what else
-    runs), so the order of refills changes nothing.
-
-    A finished row leaves a hole (its position set to -1: it writes to the trash column and
-    nothing reads it) that the next refill fills, lowest slot first, so a step runs the slots
-    0..k-1 of the smallest row bucket holding every live row; once no request waits and the
-    live rows fit a smaller bucket, they are moved into the lowest slots."""
-
-    def __init__(self, steps: TargetSteps, rows: int | None = None, *, stop_ids: Iterable[int] = (),
-                 refill: int | None = None, prefill_tokens: int = PREFILL_TOKENS) -> None:
-        self.steps = steps
-        self.device = steps.device
-        rows = steps.cache.rows if rows is None else min(int(rows), steps.cache.rows)
-        self.max_rows = int(rows)
-        self.refill = max(1, int(refill if refill is not None else rows // 8))
-        self.prefill_tokens = int(prefill_tokens)
-        self.stop = set(int(s) for s in stop_ids)
-        self.pending: list[tuple[object, torch.Tensor, int, int]] = []
-        self.slots: list[dict | None] = []  # per slot: key, pos, budget, out; None = a hole
-        self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.pos_R = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.seed_R = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.generated = 0  # new tokens so far (prefill tokens included)
-
-    @classmethod
-    def for_model(cls, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                  graphs: bool = True, attention: str = "auto", **kw) -> "SlotDecoder":
-        """A SlotDecoder on its own TargetSteps (caches of `rows` x `capacity`)."""
-        return cls(TargetSteps(model, rows, capacity, temperature=temperature, top_p=top_p, graphs=graphs,
-                               attention=attention), **kw)
-
-    def add(self, key, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> None:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-        if prompt.numel() == 0:
-            raise ValueError(f"request {key!r}: empty prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"request {key!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if prompt.numel() + max_new_tokens > self.steps.capacity - 1:
-            raise ValueError(f"request {key!r}: {prompt.numel()} prompt + {max_new_tokens} new tokens exceed the "
-                             f"cache ({self.steps.capacity - 1} positions)")
-        self.pending.append((key, prompt, int(max_new_tokens), int(seed)))
-
-    @property
-    def num_live(self) -> int:
-        return sum(row is not None for row in self.slots)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.pending or self.num_live)
-
-    def _fill(self) -> list[Finished]:
-        live = self.num_live
-        free = self.max_rows - live
-        if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
-            return []
-        holes = [i for i, row in enumerate(self.slots) if row is None]
-        holes += list(range(len(self.slots), self.max_rows))
-        take, longest = [], 0
-        while self.pending and len(take) < free:
-            n = self.pending[0][1].numel()
-            if take and (len(take) + 1) * max(longest, n) > self.prefill_tokens:
-                break
-            take.append(self.pending.pop(0))
-            longest = max(longest, n)
-        chosen = holes[: len(take)]
-        used = max(len(self.slots), chosen[-1] + 1)
-        if used > len(self.slots):  # grow the per-slot tensors (new slots start as holes)
-            grow = used - len(self.slots)
-            self.slots += [None] * grow
-            self.token_R = torch.cat([self.token_R, self.token_R.new_zeros(grow)])
-            self.pos_R = torch.cat([self.pos_R, self.pos_R.new_full((grow,), -1)])
-            self.seed_R = torch.cat([self.seed_R, self.seed_R.new_zeros(grow)])
-        slots = torch.tensor(chosen, device=self.device)
-        seeds = torch.tensor([t[3] for t in take], device=self.device)
-        first, _ = self.steps.prefill(slots, [t[1] for t in take], seeds, features=False)
-        self.token_R[slots] = first
-        self.pos_R[slots] = torch.tensor([t[1].numel() for t in take], device=self.device)
-        self.seed_R[slots] = seeds
-        for slot, (key, prompt, budget, _), t in zip(chosen, take, first.tolist()):  # host sync: first tokens
-            self.slots[slot] = {"key": key, "pos": prompt.numel(), "budget": budget, "out": [t]}
-        self.generated += len(take)
-        return self._retire(chosen)
-
-    def _retire(self, candidates: Iterable[int]) -> list[Finished]:
-        """Rows whose last token is a stop token or whose budget is spent leave their slot."""
-        done, holes = [], []
-        for i in candidates:
-            row = self.slots[i]
-            stopped = row["out"][-1] in self.stop
-            if stopped or len(row["out"]) >= row["budget"]:
-                done.append(Finished(row["key"], row["out"], stopped))
-                self.slots[i] = None
-                holes.append(i)
-        if holes:
-            self.pos_R[torch.tensor(holes, device=self.device)] = -1
-        while self.slots and self.slots[-1] is None:
-            self.slots.pop()
-        used = len(self.slots)
-        self.token_R, self.pos_R, self.seed_R = self.token_R[:used], self.pos_R[:used], self.seed_R[:used]
-        if not self.pending and used and pick(self.num_live, self.steps.rows) < pick(used, self.steps.rows):
-            self._compact()
-        return done
-
-    def _compact(self) -> None:
-        live = [i for i, row in enumerate(self.slots) if row is not None]
-        moves = [(i, j) for j, i in enumerate(live) if i != j]
-        if moves:
-            src = torch.tensor([i for i, _ in moves], device=self.device)
-            dst = torch.tensor([j for _, j in moves], device=self.device)
-            self.steps.cache.move_rows(src, dst)
-        index = torch.tensor(live, dtype=torch.long, device=self.device)
-        self.token_R, self.pos_R, self.seed_R = (t.index_select(0, index) for t in (self.token_R, self.pos_R, self.seed_R))
-        self.slots = [self.slots[i] for i in live]
-
-    def step(self) -> list[Finished]:
-        """Refill, one decode step for every live row, retire. Returns the finished requests."""
-        done = self._fill()
-        if not self.num_live:
-            return done
-        max_pos = max(row["pos"] for row in self.slots if row is not None)
-        next_R = self.steps.decode(self.token_R, self.pos_R, self.seed_R, max_pos)
-        tokens = next_R.tolist()  # host sync: the step's one
-        self.token_R = next_R.clone()
-        self.pos_R = torch.where(self.pos_R >= 0, self.pos_R + 1, self.pos_R)
-        live = []
-        for i, (row, t) in enumerate(zip(self.slots, tokens)):
-            if row is not None:
-                row["out"].append(t)
-                row["pos"] += 1
-                live.append(i)
-        self.generated += len(live)
-        return done + self._retire(live)
-
-    def run(self) -> Iterable[Finished]:
-        """Step until every added request finished, yielding them as they finish."""
-        while self.busy:
-            yield from self.step()

@@ -1,6 +1,6 @@
 """Speed of the decoding engine (`dflash-train bench --workload decode`).
 
-Owns the decoding benchmark: regeneration throughput (decode.SlotDecoder, rows refilled as they
+Owns the decoding benchmark: regeneration throughput (slots.SlotDecoder, rows refilled as they
 finish) at several row counts, and batch-1 milliseconds per token of target-only and
 speculative decoding (specdec.Decoder), each with CUDA graphs and eagerly, in one process, on a
 randomly initialised target of a real shape (SmolLM2-135M by default; `--target` takes a real
@@ -71,16 +71,18 @@ def _prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[
 
 
 def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt_lengths: tuple[int, int],
-                      requests: int, seed: int = 0, profile_path: Path | None = None, attention: str = "auto") -> dict:
+                      requests: int, seed: int = 0, profile_path: Path | None = None, attention: str = "auto",
+                      overlap: bool = True) -> dict:
     """Tokens/s of SlotDecoder with `rows` rows over `requests` requests (no stop tokens: every
     request runs its whole budget), after one warm-up pass that captures the graphs; with
     `profile_path`, then profile_regeneration."""
-    from dflash_train.decode import SlotDecoder
+    from dflash_train.slots import SlotDecoder
 
     device = model.get_input_embeddings().weight.device
     vocab = int(model.config.vocab_size)
     budget = new_tokens if profile_path is None else max(new_tokens, profile_budget(rows, prompt_lengths[1]))
-    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + budget + 2, graphs=graphs, attention=attention)
+    slots = SlotDecoder.for_model(model, rows, prompt_lengths[1] + budget + 2, graphs=graphs, attention=attention,
+                                  overlap=overlap)
     with torch.inference_mode():
         for i, p in enumerate(_prompts(min(rows, requests), prompt_lengths, vocab, seed + 1)):  # warm-up
             slots.add(("warm", i), p, new_tokens, i)
@@ -90,7 +92,7 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
         for i, p in enumerate(_prompts(requests, prompt_lengths, vocab, seed)):
             slots.add(i, p, new_tokens, i)
         _sync(device)
-        before, started = slots.generated, time.perf_counter()
+        before, host, started = slots.generated, dict(slots.seconds), time.perf_counter()
         steps = 0
         while slots.busy:
             slots.step()
@@ -101,7 +103,9 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     tokens = slots.generated - before
     entry = {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
              "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
-             "graphs_captured": slots.steps.graphs.num_captured, "attention": slots.steps.attention}
+             "graphs_captured": slots.steps.graphs.num_captured, "attention": slots.steps.attention,
+             "overlap": slots.overlap, "prefill_s": slots.seconds["prefill"] - host["prefill"],
+             "wait_s": slots.seconds["wait"] - host["wait"]}
     if profile_path is not None:
         entry["profile"] = profile_regeneration(slots, rows, new_tokens, prompt_lengths, vocab, seed, profile_path)
     return entry
@@ -190,7 +194,7 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
                      rows: tuple[int, ...] = DEFAULT_ROWS, new_tokens: int = DEFAULT_NEW_TOKENS,
                      prompt_lengths: tuple[int, int] = DEFAULT_PROMPT, requests_per_row: int = 2,
                      eager_rows: tuple[int, ...] | None = None, turns: int = 3, profile_path: Path | None = None,
-                     attention: str = "auto", log=print) -> dict:
+                     attention: str = "auto", overlap: bool = True, log=print) -> dict:
     """The whole benchmark; returns the report (the JSON object). With `profile_path`, the
     largest row count's regeneration (with graphs where they run) is profiled too."""
     from dflash_train.target import resolve_device, resolve_dtype
@@ -212,11 +216,12 @@ def run_decode_bench(*, target: str | None = None, device: str = "auto", dtype: 
                 continue
             profiled = profile_path if graphs == modes[0] and r == largest else None
             entry = regeneration_rate(model, r, graphs=graphs, new_tokens=new_tokens, prompt_lengths=prompt_lengths,
-                                      requests=max(2, requests_per_row * r), profile_path=profiled, attention=attention)
+                                      requests=max(2, requests_per_row * r), profile_path=profiled, attention=attention,
+                                      overlap=overlap)
             report["regeneration"].append(entry)
             log(f"bench decode: regeneration rows {r:>4} {'graphs' if graphs else 'eager '}: "
                 f"{entry['tokens_per_s']:>9,.0f} tokens/s, {entry['ms_per_step']:.2f} ms/step "
-                f"(capture {entry['capture_s']:.1f} s, attention {entry['attention']})")
+                f"(capture {entry['capture_s']:.1f} s, attention {entry['attention']}, overlap {entry['overlap']})")
             if profiled is not None:
                 log(f"bench decode: {PROFILE_STEPS} steps at {r} rows profiled: {profiled}")
         entry = batch_one(model, drafter, graphs=graphs, new_tokens=new_tokens, prompt_len=prompt_lengths[1],
@@ -268,7 +273,8 @@ def run_cli(args) -> int:
         profile = (Path(args.output).parent if args.output else Path(".")) / "bench-decode-kernels.txt"
     report = run_decode_bench(target=args.target, device=args.device, rows=rows,
                               new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, prompt_lengths=lengths,
-                              eager_rows=eager, profile_path=profile, attention=args.attention)
+                              eager_rows=eager, profile_path=profile, attention=args.attention,
+                              overlap=not args.no_overlap)
     line = json.dumps(report)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -172,18 +172,19 @@ class Responder(Protocol):
 
 
 class LocalResponder:
-    """The target on the decoding engine: turns are decode.SlotDecoder requests, `rows` at a
+    """The target on the decoding engine: turns are slots.SlotDecoder requests, `rows` at a
     time, rows refilled as they finish."""
 
     def __init__(self, model, tokenizer, *, rows: int, max_new_tokens: int, max_prompt_length: int,
-                 temperature: float, top_p: float, graphs: bool = True) -> None:
-        from dflash_train.decode import SlotDecoder
+                 temperature: float, top_p: float, graphs: bool = True, overlap: bool = True) -> None:
+        from dflash_train.slots import SlotDecoder
         from dflash_train.specdec import stop_token_ids
 
         self.tokenizer, self.max_new_tokens, self.capacity = tokenizer, int(max_new_tokens), int(rows)
         stop = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.slots = SlotDecoder.for_model(model, rows, max_prompt_length + max_new_tokens + 2,
-                                           temperature=temperature, top_p=top_p, graphs=graphs, stop_ids=stop)
+                                           temperature=temperature, top_p=top_p, graphs=graphs, stop_ids=stop,
+                                           overlap=overlap)
         self.text_seconds = 0.0  # ids -> text of the finished turns (host work between steps)
 
     @property
@@ -193,6 +194,10 @@ class LocalResponder:
     @property
     def capture_seconds(self) -> float:
         return self.slots.steps.graphs.capture_seconds
+
+    def engine_seconds(self) -> dict[str, float]:
+        """ENGINE_STATS so far."""
+        return {f"{k}_s": v for k, v in self.slots.seconds.items()}
 
     def submit(self, key, text: str, ids: list[int], seed: int) -> None:
         self.slots.add(key, ids, self.max_new_tokens, seed)
@@ -279,8 +284,12 @@ class Conversation:
 
 CHUNK_STATS = ("num_turns", "num_unfinished", "num_looping", "num_empty", "num_cut", "num_template_errors")
 # Host seconds of the scheduler's own work, outside the engine's steps: rendering and tokenizing
-# each next prompt (prompt_s), and turning each finished turn's ids into text (text_s).
+# each next prompt (prompt_s), and turning each finished turn's ids into text (text_s); and of the
+# engine's (slots.SlotDecoder.seconds): refills (prefill_s: their forward and first tokens) and
+# waiting for a decode step's tokens (wait_s; with the next step queued first, the host's own work
+# hides behind the GPU's, so wait_s near the elapsed time means the GPU is the limit).
 HOST_STATS = ("prompt_s", "text_s")
+ENGINE_STATS = ("prefill_s", "wait_s")
 
 
 def regenerate_stream(responder: Responder, tokenizer, records: list[Record], first_position: int,
@@ -408,7 +417,8 @@ def load_responder(target, device: str, settings: dict[str, Any], model=None, to
     responder = LocalResponder(model, tokenizer, rows=settings["batch_size"],
                                max_new_tokens=settings["max_new_tokens"],
                                max_prompt_length=settings["max_prompt_length"], temperature=settings["temperature"],
-                               top_p=settings["top_p"], graphs=settings.get("graphs", True))
+                               top_p=settings["top_p"], graphs=settings.get("graphs", True),
+                               overlap=settings.get("overlap", True))
     return responder, tokenizer
 
 
@@ -423,9 +433,10 @@ def _worker_span(state, item) -> tuple[str, dict[str, int]]:
     responder, tokenizer, settings = state
     position, records, kept = item
     stats = {**dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0)}
-    before = responder.generated_tokens
+    before, engine = responder.generated_tokens, responder.engine_seconds()
     text = "".join(regenerate_stream(responder, tokenizer, records, position, settings, stats, finished=dict(kept)))
     stats["num_new_tokens"] = responder.generated_tokens - before
+    stats.update({k: v - engine[k] for k, v in responder.engine_seconds().items()})
     return text, stats
 
 
@@ -465,6 +476,9 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
     if elapsed > 0 and (stats["prompt_s"] or stats["text_s"]):
         host = (f", host: prompts {100 * stats['prompt_s'] / elapsed:.0f}%, "
                 f"text {100 * stats['text_s'] / elapsed:.0f}% of the time")
+    if elapsed > 0 and stats.get("wait_s"):
+        host += (f"; engine: refills {100 * stats['prefill_s'] / elapsed:.0f}%, waiting on decode steps "
+                 f"{100 * stats['wait_s'] / elapsed:.0f}%")
     log(f"data regenerate: {finished}/{total} records ({stats['num_written']} written), {stats['num_turns']} turns, "
         f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}{host}")
 
@@ -472,7 +486,7 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
 def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_p: float = 1.0, batch_size: int = 64, max_prompt_length: int = 3072,
                device: str = "auto", seed: int = 0, limit: int | None = None, log=print,
-               model=None, tokenizer=None, workers: int = 1, graphs: bool = True,
+               model=None, tokenizer=None, workers: int = 1, graphs: bool = True, overlap: bool = True,
                servers: list[str] | None = None, server_options: dict[str, Any] | None = None,
                progress_every_s: float = 10.0) -> dict[str, Any]:
     """Write `out` (JSONL, one line per valid input record, in the record's own format) with
@@ -522,7 +536,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
                "num_ahead_resumed": sum(done <= p < stop for p in kept), "num_ahead_kept": len(kept),
                "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0),
-               "num_new_tokens": 0}
+               **dict.fromkeys(ENGINE_STATS, 0.0), "num_new_tokens": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
     if summary["num_ahead_resumed"]:
@@ -534,7 +548,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     turns = sum(m["role"] == "assistant" for record in records[done:stop] for m in record.messages)
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                 "batch_size": min(batch_size, max(1, turns)), "max_prompt_length": max_prompt_length, "seed": seed,
-                "graphs": graphs}
+                "graphs": graphs, "overlap": overlap}
     started = time.perf_counter()
     pool = None
     if servers:
@@ -563,6 +577,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 
             def report(finished: int) -> None:  # every `progress_every_s`, written lines or not
                 summary["num_new_tokens"] = responder.generated_tokens
+                summary.update(getattr(responder, "engine_seconds", dict)())
                 if time.perf_counter() - last_log[0] >= progress_every_s:
                     _progress(log, done + finished, stop, done, summary, summary["num_new_tokens"], started)
                     last_log[0] = time.perf_counter()
@@ -580,6 +595,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 if signals is not None:
                     signals.restore()
             summary["num_new_tokens"] = responder.generated_tokens
+            summary.update(getattr(responder, "engine_seconds", dict)())
             summary["capture_s"] = responder.capture_seconds
             summary["rows"] = responder.capacity  # turns decoded at once (engine rows, or server concurrency)
         else:
@@ -625,7 +641,7 @@ def run_regenerate(args) -> int:
                              temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
                              max_prompt_length=args.max_prompt_length, device=args.device,
                              seed=args.seed, limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
-                             servers=args.server,
+                             overlap=not args.no_overlap, servers=args.server,
                              server_options={"concurrency": args.concurrency, "model": args.server_model,
                                              "timeout": args.timeout, "retries": args.retries})
     except ServerError as err:

@@ -35,11 +35,12 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, SlotDecoder, StaticCache, TargetSteps, pick,
-                                 row_buckets, width_buckets)
+from dflash_train.decode import (PREFILL_GRAPH_ROWS, Graphs, StaticCache, TargetSteps, pick, row_buckets,
+                                 width_buckets)
 from dflash_train.drafter import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.engine_attention import causal_position_mask
 from dflash_train.loss import accepted_run_length
+from dflash_train.slots import SlotDecoder
 from dflash_train.sampling import choose
 from dflash_train.target import LayerTaps
 
@@ -394,7 +395,7 @@ class Decoder:
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens: int, *, stop_ids: Iterable[int] = (),
                  seed: int | Sequence[int] = 0) -> list[Generation]:
-        """Target-only decoding of R prompts, one token per row per step (decode.SlotDecoder on
+        """Target-only decoding of R prompts, one token per row per step (slots.SlotDecoder on
         this engine's steps): each row's output is the one it gets alone (up to the rounding of
         batched forwards). `seconds` is the whole batch's."""
         _check_budget(max_new_tokens)
@@ -405,7 +406,8 @@ class Decoder:
         self._fit(len(rows), max(r.numel() for r in rows) + max_new_tokens + 2)
         _sync(self.device)
         started, captured = time.perf_counter(), self.capture_seconds
-        slots = SlotDecoder(self.target, len(rows), stop_ids=stop_ids)
+        # Each step read before the next is queued, as the speculative loop reads each cycle.
+        slots = SlotDecoder(self.target, len(rows), stop_ids=stop_ids, overlap=False)
         for i, (r, s) in enumerate(zip(rows, seeds)):
             slots.add(i, r, max_new_tokens, s)
         done = {f.key: f for f in slots.run()}

@@ -242,6 +242,9 @@ def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, ca
     (one,) = report["batch_one"]
     assert one["target_ms_per_token"] > 0 and one["cycle_in_target_steps"] > 0 and one["graphs_captured"] == 0
     assert {e["attention"] for e in report["regeneration"] + report["batch_one"]} == {"masked"}  # auto on CPU
+    # The next step queued before reading the last, by default; the refill and wait seconds counted.
+    assert all(e["overlap"] is True and 0 < e["prefill_s"] < e["seconds"] and 0 < e["wait_s"] < e["seconds"]
+               for e in report["regeneration"])
 
 
 def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
@@ -251,9 +254,10 @@ def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
     out = tmp_path / "decode.json"
     argv = ["bench", "--workload", "decode", "--target", "bundled:tiny-random-llama", "--rows", "1,2",
             "--new-tokens", "4", "--prompt-lengths", "3,9", "--device", "cpu", "--profile", "--output", str(out),
-            "--attention", "varlen"]
+            "--attention", "varlen", "--no-overlap"]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
+    assert {e["overlap"] for e in report["regeneration"]} == {False}
     assert report["prompt_lengths"] == [3, 9]
     assert {e["attention"] for e in report["regeneration"] + report["batch_one"]} == {"varlen-reference"}
     assert [e["rows"] for e in report["regeneration"]] == [1, 2]  # CPU: eager rows 1 and 2 (no graph pass)
@@ -274,7 +278,7 @@ def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
     rows over several steps (a refill's prompt-token cap) are stepped in first, and their budget
     outlasts the fill and the window."""
     from dflash_train import decode_bench
-    from dflash_train.decode import SlotDecoder
+    from dflash_train.slots import SlotDecoder
     from dflash_train.target import load_target_model
 
     model, _ = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)

@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
-from dflash_train.decode import Graphs, SlotDecoder, StaticCache, TargetSteps, pick, row_buckets, width_buckets
+from dflash_train.decode import Graphs, StaticCache, TargetSteps, pick, row_buckets, width_buckets
 from dflash_train.sampling import choose, position_uniform
+from dflash_train.slots import SlotDecoder
 from dflash_train.specdec import Decoder, DFlashProposer
 
 VOCAB = 128
@@ -282,7 +283,7 @@ def test_varlen_attention_decodes_as_the_masked_engine(tiny_target, monkeypatch)
     want = [masked.speculate([p], 20)[0].acceptance_lengths for p in ps]
     monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
     monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
-    slots = SlotDecoder.for_model(tiny_target, 3, 128, attention="varlen", refill=1)
+    slots = SlotDecoder.for_model(tiny_target, 3, 128, attention="varlen", refill=1, overlap=True)
     assert slots.steps.attention == "varlen-reference" and masked.target.attention == "masked"
     for i, p in enumerate(ps):
         slots.add(i, p, 20, seed=i)
@@ -320,17 +321,20 @@ def test_key_counts_place_each_rows_queries_at_its_last_positions():
     assert flash.used_N.tolist() == [9] * hkv and flash.cu_q_N.tolist() == list(range(0, (hkv + 1) * 4, 4))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows):
+def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows, overlap):
     """More requests than rows, of different lengths and budgets, one ending on a stop token:
     every request gets transformers' own greedy output, whatever the row count (refills at
-    different moments, rows compacted at the tail)."""
+    different moments, rows compacted at the tail), with each step's successor queued before
+    its tokens are read or not."""
     ps = prompts([1, 9, 30, 4, 17, 2, 12], seed=rows)
     budgets = [12, 5, 9, 14, 3, 10, 7]
     refs = [hf_greedy(tiny_target, p, n) for p, n in zip(ps, budgets)]
     stop = refs[3][6]  # ends request 3 (and any other that meets it) early
     refs = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
-    slots = SlotDecoder.for_model(tiny_target, rows, 64, stop_ids=[stop], refill=2)
+    slots = SlotDecoder.for_model(tiny_target, rows, 64, stop_ids=[stop], refill=2, overlap=overlap)
+    assert slots.overlap is overlap
     for i, (p, n) in enumerate(zip(ps, budgets)):
         slots.add(i, p, n, seed=i)
     done = {f.key: f for f in slots.run()}
@@ -339,11 +343,46 @@ def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows):
     assert slots.generated == sum(len(r) for r in refs) and not slots.busy
 
 
+def test_overlapped_steps_with_requests_arriving_between_them(tiny_target, monkeypatch):
+    """Regeneration's pattern, through simulated graphs (a replay rewrites the outputs of the
+    graphs captured after it): requests added whenever some finish, while the next step is
+    already queued; rows that end at the cache's last usable position (their one step past the
+    end writes below the trash column); rows compacted, then refilled. Every request gets
+    transformers' greedy output, as with the serial decoder, and the host's time is counted."""
+    from dflash_train import decode
+
+    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
+    capacity = 48
+    ps = prompts([3, 20, 7, 31, 1, 12, 25, 5, 9], seed=11)
+    budgets = [capacity - 1 - len(p) if i % 3 == 1 else 4 + 2 * i for i, p in enumerate(ps)]
+    refs = [hf_greedy(tiny_target, p, n) for p, n in zip(ps, budgets)]
+    got = {}
+    for overlap in (False, True):
+        slots = SlotDecoder.for_model(tiny_target, 4, capacity, refill=1, overlap=overlap)
+        queue = list(enumerate(zip(ps, budgets)))
+        for key, (p, n) in queue[:3]:
+            slots.add(key, p, n, seed=key)
+        queue = queue[3:]
+        out = {}
+        while slots.busy or queue:
+            done = slots.step() if slots.busy else []
+            for f in done:
+                out[f.key] = f.output_ids
+            if done or not slots.busy:  # two more join for each batch that finishes
+                for key, (p, n) in queue[:2]:
+                    slots.add(key, p, n, seed=key)
+                queue = queue[2:]
+        got[overlap] = out
+        assert slots.seconds["prefill"] > 0 and slots.seconds["wait"] >= 0
+        assert slots.generated == sum(len(r) for r in refs)
+    assert got[True] == got[False] == dict(enumerate(refs))
+
+
 def test_slot_decoder_sampling_is_seeded_and_independent_of_rows(tiny_target):
     ps = prompts([3, 11, 6, 20, 8], seed=5)
     runs = []
     for rows in (1, 2, 5):
-        slots = SlotDecoder.for_model(tiny_target, rows, 64, temperature=0.9, top_p=0.95)
+        slots = SlotDecoder.for_model(tiny_target, rows, 64, temperature=0.9, top_p=0.95, overlap=rows > 1)
         for i, p in enumerate(ps):
             slots.add(i, p, 10, seed=100 + i)
         runs.append({f.key: f.output_ids for f in slots.run()})
@@ -458,12 +497,12 @@ def test_captured_slot_decoder_equals_eager(cuda_target):
     model = cuda_target
     ps = prompts([3, 40, 7, 22, 15, 9, 31], seed=9)
     runs = []
-    for graphs in (True, False):
-        slots = SlotDecoder.for_model(model, 4, 128, graphs=graphs, refill=1)
+    for graphs, overlap in ((True, True), (True, False), (False, True)):
+        slots = SlotDecoder.for_model(model, 4, 128, graphs=graphs, refill=1, overlap=overlap)
         for i, p in enumerate(ps):
             slots.add(i, p, 12 + i, seed=i)
         runs.append({f.key: f.output_ids for f in slots.run()})
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     assert [runs[0][i] for i in range(len(ps))] == [hf_greedy(model, p, 12 + i) for i, p in enumerate(ps)]
 
 
