@@ -285,11 +285,12 @@ class Conversation:
 CHUNK_STATS = ("num_turns", "num_unfinished", "num_looping", "num_empty", "num_cut", "num_template_errors")
 # Host seconds of the scheduler's own work, outside the engine's steps: rendering and tokenizing
 # each next prompt (prompt_s), and turning each finished turn's ids into text (text_s); and of the
-# engine's (slots.SlotDecoder.seconds): refills (prefill_s: their forward and first tokens) and
-# waiting for a decode step's tokens (wait_s; with the next step queued first, the host's own work
-# hides behind the GPU's, so wait_s near the elapsed time means the GPU is the limit).
+# engine's (slots.SlotDecoder.seconds): refills (prefill_s: their forward and first tokens),
+# queueing decode steps (launch_s), waiting for a step's tokens (wait_s; with the next step queued
+# first, the host's own work hides behind the GPU's, so wait_s near the elapsed time means the GPU
+# is the limit) and booking them (book_s).
 HOST_STATS = ("prompt_s", "text_s")
-ENGINE_STATS = ("prefill_s", "wait_s")
+ENGINE_STATS = ("prefill_s", "launch_s", "wait_s", "book_s")
 
 
 def regenerate_stream(responder: Responder, tokenizer, records: list[Record], first_position: int,
@@ -477,8 +478,9 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
         host = (f", host: prompts {100 * stats['prompt_s'] / elapsed:.0f}%, "
                 f"text {100 * stats['text_s'] / elapsed:.0f}% of the time")
     if elapsed > 0 and stats.get("wait_s"):
-        host += (f"; engine: refills {100 * stats['prefill_s'] / elapsed:.0f}%, waiting on decode steps "
-                 f"{100 * stats['wait_s'] / elapsed:.0f}%")
+        host += (f"; engine: refills {100 * stats['prefill_s'] / elapsed:.0f}%, queueing steps "
+                 f"{100 * stats['launch_s'] / elapsed:.0f}%, waiting on decode steps "
+                 f"{100 * stats['wait_s'] / elapsed:.0f}%, booking {100 * stats['book_s'] / elapsed:.0f}%")
     log(f"data regenerate: {finished}/{total} records ({stats['num_written']} written), {stats['num_turns']} turns, "
         f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}{host}")
 

@@ -255,9 +255,10 @@ def test_progress_is_reported_while_an_early_conversation_still_runs(tmp_path, t
     # The scheduler's host work outside the engine's steps, timed and shown as a share of the time.
     assert 0 < summary["prompt_s"] < summary["seconds"] and 0 < summary["text_s"] < summary["seconds"]
     assert "host: prompts " in progress[-1] and "% of the time" in progress[-1]
-    # The engine's: refills and waiting for decode steps' tokens.
-    assert 0 < summary["prefill_s"] < summary["seconds"] and 0 < summary["wait_s"] < summary["seconds"]
+    # The engine's: refills, queueing decode steps, waiting for their tokens, booking them.
+    assert all(0 < summary[k] < summary["seconds"] for k in ("prefill_s", "launch_s", "wait_s", "book_s"))
     assert "; engine: refills " in progress[-1] and "waiting on decode steps" in progress[-1]
+    assert "queueing steps " in progress[-1] and "booking " in progress[-1]
 
 
 def _stop_after(polls: int, signum):
