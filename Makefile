@@ -24,8 +24,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 setup: $(BIN)/.installed
 
+# Two test processes (pytest-xdist): the tests run one thread each, so a 2-core machine runs two at once.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 train: setup
 	$(BIN)/dflash-train train

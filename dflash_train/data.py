@@ -774,7 +774,8 @@ def default_dataset(target: str | os.PathLike | None = None, max_length: int = D
     with `target`'s tokenizer (default: the bundled SmolLM2) under assets.cache_root()."""
     target = Path(target) if target is not None else assets.smollm2_dir()
     out = assets.cache_root() / "data" / f"sharegpt-{target.name}-{max_length}"
-    return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log)
+    with assets.folder_lock(out):  # runs started at once prepare it once
+        return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log)
 
 
 def load_prepared(path: str | os.PathLike):
