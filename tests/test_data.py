@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -390,6 +391,55 @@ def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypat
     assert report["num_samples"] > 20 and report["num_records"] == report["num_samples"] + report["num_skipped"]
     assert data.default_dataset(smollm2_path, log=lambda *_: None).cached
     assert np.all(np.asarray(result.dataset["length"]) <= data.DEFAULT_MAX_LENGTH)
+
+
+def test_cache_folders_wanted_at_once_are_built_once(tmp_path, smollm2_path, monkeypatch):
+    """Two runs (or test workers) that need the same cache folder at the same moment: the
+    embedded default's prepared data and a converted target are each built by one of them; the
+    other waits for the folder's lock and then reads what the first built."""
+    import threading
+    import transformers
+
+    head = assets.sharegpt_json().read_bytes()[:100_000]
+    small = tmp_path / "sharegpt.json"
+    small.write_bytes(head)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(cache))
+    monkeypatch.setattr(assets, "sharegpt_json", lambda: small)
+    (cache / f"smollm2-135m-instruct-v2-tf{transformers.__version__}").symlink_to(smollm2_path)
+
+    def both(fn):
+        results, errors = [], []
+
+        def one():
+            try:
+                results.append(fn())
+            except Exception as err:  # noqa: BLE001 - reported by the assertion below
+                errors.append(err)
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        return results
+
+    lines: list[str] = []
+    prepared = both(lambda: data.default_dataset(smollm2_path, max_length=128, log=lines.append))
+    assert sorted(p.cached for p in prepared) == [False, True], lines
+    assert len(prepared[0].dataset) == len(prepared[1].dataset) > 0
+
+    built = []
+    save = assets.save_model_folder
+
+    def slow_save(model, tokenizer, folder):  # long enough for the other thread to find no folder
+        built.append(folder)
+        time.sleep(0.5)
+        save(model, tokenizer, folder)
+    monkeypatch.setattr(assets, "save_model_folder", slow_save)
+    folders = both(assets.tiny_random_target_dir)
+    assert len(built) == 1 and folders[0] == folders[1] and assets.is_model_folder(folders[0])
 
 
 def test_an_up_to_date_prepared_folder_is_read_where_nothing_can_be_written(tmp_path, smollm2_path, monkeypatch):
