@@ -339,7 +339,10 @@ class TargetSteps:
         padded shapes, so the same numbers (Graphs.buckets_small_steps). Larger prefills
         (regeneration's refills), and every prefill on CPU, run eagerly at their own length."""
         R, P = len(prompts), max(len(p) for p in prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        # Host values go to the device without a blocking copy (one would wait for every step
+        # queued before this prefill: slots.SlotDecoder keeps a decode step in flight).
+        sizes = [len(p) for p in prompts]
+        lengths = torch.tensor(sizes).to(self.device, non_blocking=True)
         Rb = pick(R, self.rows)
         if self.graphs.buckets_small_steps and Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
             Pb = pick(P, self.widths)
@@ -359,10 +362,11 @@ class TargetSteps:
         pos_RP = torch.arange(P, device=self.device).expand(R, P)
         pos_RP = torch.where(pos_RP <= (lengths - 1)[:, None], pos_RP, -1)  # padding: written to the trash column
         # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
-        keep = sorted(set((lengths - 1).tolist()))
-        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=torch.tensor(keep, device=self.device),
+        keep = sorted(set(n - 1 for n in sizes))
+        logits = self._forward(ids_RP, pos_RP, P, row_index=slots,
+                               logits_to_keep=torch.tensor(keep).to(self.device, non_blocking=True),
                                causal=not has_sliding_layers(self.model.config))
-        pick_R = torch.tensor([keep.index(int(n) - 1) for n in lengths.tolist()], device=self.device)
+        pick_R = torch.tensor([keep.index(n - 1) for n in sizes]).to(self.device, non_blocking=True)
         logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
         first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
         feats = self.taps.features() if self.taps is not None else None
@@ -448,7 +452,7 @@ def _padded_ids(prompts: list[torch.Tensor], rows: int, width: int, device) -> t
     home = prompts[0].device
     ids = torch.nn.utils.rnn.pad_sequence([p.reshape(-1).to(home) for p in prompts], batch_first=True)
     ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
-    return ids.to(device=device, dtype=torch.long)
+    return ids.to(dtype=torch.long).to(device=device, non_blocking=True)
 
 
 def _pad_rows(rows: int, *tensors, pad_pos: int):

@@ -158,12 +158,12 @@ class SlotDecoder:
             self.used = used
         # Queued behind a step in flight, if any: that step's writes to these slots (rows it
         # decoded once past their end) land first, and the prompts overwrite them.
-        slots = torch.from_numpy(chosen).to(self.device)
-        seeds = torch.tensor([t[3] for t in take], device=self.device)
+        slots = self._to_device(chosen)
+        seeds = self._to_device([t[3] for t in take])
         lengths = np.array([t[1].numel() for t in take], dtype=np.int64)
         first, _ = self.steps.prefill(slots, [t[1] for t in take], seeds, features=False)
         self.token_R[slots] = first
-        self.pos_R[slots] = torch.from_numpy(lengths).to(self.device)
+        self.pos_R[slots] = self._to_device(lengths)
         self.seed_R[slots] = seeds
         rids = np.array([t[0] for t in take], dtype=np.int64)
         self.rid_S[chosen] = rids
@@ -191,7 +191,7 @@ class SlotDecoder:
             self.where[self.rid_S[leaving]] = -1  # a step in flight may still decode them: its tokens are dropped
             self.rid_S[leaving] = -1
             self.num_live -= len(leaving)
-            self.pos_R[torch.from_numpy(leaving).to(self.device)] = -1
+            self.pos_R[self._to_device(leaving)] = -1
             live = np.flatnonzero(self.rid_S[: self.used] >= 0)
             self.used = int(live[-1]) + 1 if len(live) else 0
             self.token_R, self.pos_R, self.seed_R = (t[: self.used] for t in (self.token_R, self.pos_R, self.seed_R))
@@ -204,16 +204,22 @@ class SlotDecoder:
         k = len(live)
         moved = live != np.arange(k)
         if moved.any():  # queued behind a step in flight: its writes move with the rows
-            src = torch.from_numpy(live[moved]).to(self.device)
-            dst = torch.from_numpy(np.flatnonzero(moved)).to(self.device)
+            src, dst = self._to_device(live[moved]), self._to_device(np.flatnonzero(moved))
             self.steps.cache.move_rows(src, dst)
         for a in (self.rid_S, self.pos_S, self.budget_S, self.n_S, self.out_SC):
             a[:k] = a[live]
         self.rid_S[k: self.used] = -1
         self.where[self.rid_S[:k]] = np.arange(k)
-        index = torch.from_numpy(live).to(self.device)
+        index = self._to_device(live)
         self.token_R, self.pos_R, self.seed_R = (t.index_select(0, index) for t in (self.token_R, self.pos_R, self.seed_R))
         self.used = k
+
+    def _to_device(self, values) -> torch.Tensor:
+        """Host indices or values as a long tensor on the device, queued without waiting: a
+        blocking copy to a CUDA device waits for everything queued before it (ATen copies, then
+        synchronizes the stream), the step in flight included, which would undo the overlap."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return host.to(self.device, non_blocking=True)
 
     def _launch(self) -> _Launched:
         """Queue one decode step of every live row; the rows' next tokens and positions become

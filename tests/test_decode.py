@@ -506,6 +506,43 @@ def test_captured_slot_decoder_equals_eager(cuda_target):
     assert [runs[0][i] for i in range(len(ps))] == [hf_greedy(model, p, 12 + i) for i, p in enumerate(ps)]
 
 
+@gpu
+def test_queued_steps_never_wait_for_the_gpu_but_to_read_tokens(cuda_target, monkeypatch):
+    """With a decode step in flight, the slot decoder's host work (booking, rows leaving,
+    compaction, the next step's launch) must not synchronize with the GPU: a blocking copy to
+    the device waits for the step in flight and undoes the overlap. Under CUDA's sync debug
+    mode set to error, steps where rows finish and move run through; only the reading of a
+    step's tokens may wait. The tokens stay transformers' greedy ones."""
+    from dflash_train import slots as slots_module
+
+    model = cuda_target
+    ps = prompts([3, 40, 7, 22, 15, 9, 31, 12], seed=4)
+    budgets = [6 + 3 * i for i in range(len(ps))]  # rows finish on different steps, then compact
+    wait = slots_module._Launched.wait
+
+    def unchecked_wait(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    for checked in (False, True):  # the first pass captures every graph the second replays
+        slots = SlotDecoder.for_model(model, 8, 128, refill=1)
+        for i, (p, n) in enumerate(zip(ps, budgets)):
+            slots.add(i, p, n, seed=i)
+        done = {f.key: f.output_ids for f in slots.step()}  # the fill: its first tokens are read
+        if checked:
+            monkeypatch.setattr(slots_module._Launched, "wait", unchecked_wait)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            while slots.busy:
+                done.update((f.key, f.output_ids) for f in slots.step())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            monkeypatch.setattr(slots_module._Launched, "wait", wait)
+        assert [done[i] for i in range(len(ps))] == [hf_greedy(model, p, n) for p, n in zip(ps, budgets)]
+
+
 def qwen2_shaped_target(device: str):
     """Four layers of Qwen2.5-0.5B's layer shape (hidden 896, 14 query heads over 2 key/value heads
     of 64, biased q/k/v, tied embedding and lm_head), random weights, a 4,096-token vocabulary."""
