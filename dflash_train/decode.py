@@ -47,7 +47,7 @@ from dflash_train.sampling import choose
 
 MIN_WIDTH = 64
 PREFILL_GRAPH_ROWS = 8  # prefills of up to this many rows (a row bucket) replay a graph
-PREFILL_TOKENS = 32768  # a refill prefills at most this many prompt tokens (padded) per step
+PREFILL_TOKENS = 32768  # a refill's prefill forward holds at most this many prompt tokens (padded)
 
 
 def row_buckets(max_rows: int) -> list[int]:

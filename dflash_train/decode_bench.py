@@ -113,8 +113,9 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
 def profile_budget(rows: int, longest_prompt: int, prefill_tokens: int = PREFILL_TOKENS,
                    steps: int = PROFILE_STEPS) -> int:
     """New tokens a profiled request needs so that none finishes before the profiled window
-    ends: a refill prefills at most `prefill_tokens` prompt tokens (at least one prompt) per
-    step, so filling `rows` rows takes at most ceil(rows / per_step) steps, then the window."""
+    ends: a bound on the fill (one refill admits every waiting request, so it takes one step;
+    this allows ceil(rows / per_step) steps of `prefill_tokens` prompt tokens each), then the
+    window."""
     per_step = max(1, prefill_tokens // max(1, longest_prompt))
     return -(-rows // per_step) + steps + 2
 
@@ -122,9 +123,8 @@ def profile_budget(rows: int, longest_prompt: int, prefill_tokens: int = PREFILL
 def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tuple[int, int], vocab: int, seed: int,
                          path: Path, steps: int = PROFILE_STEPS) -> dict:
     """`steps` decode steps of `slots` with all `rows` rows live under torch.profiler: fresh
-    requests are stepped in first until none is pending (a refill prefills at most
-    `slots.prefill_tokens` prompt tokens a step, so long prompts fill the rows over several
-    steps), so no prefill falls in the window and every profiled step decodes every row. Its
+    requests are stepped in first until none is pending (the refill that admits them),
+    so no prefill falls in the window and every profiled step decodes every row. Its
     operator table, sorted by device time on a GPU (self CPU time on a CPU), is written to
     `path`. Returns what was profiled, with the steps the fill took and the live rows."""
     from torch.profiler import ProfilerActivity, profile

@@ -31,6 +31,10 @@ import torch
 
 from dflash_train.decode import PREFILL_TOKENS, TargetSteps, pick
 
+# A refill's prefill group pads its prompts to its longest; a longer prompt starts a new group
+# once the group would hold more than this many padded tokens per prompt token.
+PAD_RATIO = 1.25
+
 
 @dataclass
 class Finished:
@@ -135,20 +139,29 @@ class SlotDecoder:
         return bool(self.pending or self.num_live)
 
     def _fill(self) -> list[Finished]:
+        """Admit the waiting requests, oldest first, into the free slots: sorted by prompt length
+        and prefilled in groups of at most `prefill_tokens` padded tokens and PAD_RATIO padded
+        tokens per prompt token (groups taken in arrival order padded real chats 2.2 times),
+        their first tokens read once for all the groups."""
         live = self.num_live
         free = self.max_rows - live
         if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
             return []
         began = time.perf_counter()
         holes = np.flatnonzero(self.rid_S[:self.used] < 0).tolist() + list(range(self.used, self.max_rows))
-        take, longest = [], 0
-        while self.pending and len(take) < free:
-            n = self.pending[0][1].numel()
-            if take and (len(take) + 1) * max(longest, n) > self.prefill_tokens:
-                break
-            take.append(self.pending.popleft())
-            longest = max(longest, n)
-        chosen = np.array(holes[: len(take)], dtype=np.int64)
+        window = sorted((self.pending.popleft() for _ in range(min(free, len(self.pending)))),
+                        key=lambda t: t[1].numel())
+        groups, group, real = [], [], 0
+        for t in window:  # ascending length: a group's longest prompt is its last
+            n = t[1].numel()
+            padded = (len(group) + 1) * n
+            if group and (padded > self.prefill_tokens or padded > PAD_RATIO * (real + n)):
+                groups.append(group)
+                group, real = [], 0
+            group.append(t)
+            real += n
+        groups.append(group)
+        chosen = np.array(holes[: len(window)], dtype=np.int64)
         used = max(self.used, int(chosen[-1]) + 1)
         if used > self.used:  # grow the per-slot tensors (new slots start as holes)
             grow = used - self.used
@@ -156,24 +169,28 @@ class SlotDecoder:
             self.pos_R = torch.cat([self.pos_R, self.pos_R.new_full((grow,), -1)])
             self.seed_R = torch.cat([self.seed_R, self.seed_R.new_zeros(grow)])
             self.used = used
+        lengths = np.array([t[1].numel() for t in window], dtype=np.int64)
         # Queued behind a step in flight, if any: that step's writes to these slots (rows it
         # decoded once past their end) land first, and the prompts overwrite them.
-        slots = self._to_device(chosen)
-        seeds = self._to_device([t[3] for t in take])
-        lengths = np.array([t[1].numel() for t in take], dtype=np.int64)
-        first, _ = self.steps.prefill(slots, [t[1] for t in take], seeds, features=False)
-        self.token_R[slots] = first
-        self.pos_R[slots] = self._to_device(lengths)
-        self.seed_R[slots] = seeds
-        rids = np.array([t[0] for t in take], dtype=np.int64)
+        firsts, at = [], 0
+        for group in groups:
+            part = slice(at, at + len(group))
+            at += len(group)
+            slots, seeds = self._to_device(chosen[part]), self._to_device([t[3] for t in group])
+            first, _ = self.steps.prefill(slots, [t[1] for t in group], seeds, features=False)
+            self.token_R[slots] = first
+            self.pos_R[slots] = self._to_device(lengths[part])
+            self.seed_R[slots] = seeds
+            firsts.append(first)
+        rids = np.array([t[0] for t in window], dtype=np.int64)
         self.rid_S[chosen] = rids
         self.where[rids] = chosen
         self.pos_S[chosen] = lengths
-        self.budget_S[chosen] = [t[2] for t in take]
-        self.out_SC[chosen, 0] = first.cpu().numpy()  # host sync: first tokens
+        self.budget_S[chosen] = [t[2] for t in window]
+        self.out_SC[chosen, 0] = torch.cat(firsts).cpu().numpy()  # host sync: the first tokens
         self.n_S[chosen] = 1
-        self.num_live += len(take)
-        self.generated += len(take)
+        self.num_live += len(window)
+        self.generated += len(window)
         self.seconds["prefill"] += time.perf_counter() - began
         return self._retire(chosen)
 

@@ -275,9 +275,9 @@ def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
 
 
 def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
-    """The profiled steps decode every row and prefill nothing: requests whose prompts fill the
-    rows over several steps (a refill's prompt-token cap) are stepped in first, and their budget
-    outlasts the fill and the window."""
+    """The profiled steps decode every row and prefill nothing: the requests are stepped in
+    first (one refill, in as many prefill forwards as the prompt-token cap asks for), and their
+    budget outlasts the fill and the window."""
     from dflash_train import decode_bench
     from dflash_train.slots import SlotDecoder
     from dflash_train.target import load_target_model
@@ -285,12 +285,12 @@ def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
     model, _ = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)
     rows, lengths = 4, (5, 9)
     budget = decode_bench.profile_budget(rows, lengths[1], prefill_tokens=9, steps=3)
-    assert budget == 4 + 3 + 2  # one 9-token prompt a step: four fill steps, then the window
+    assert budget == 4 + 3 + 2  # at most four fill steps of one 9-token prompt, then the window
     slots = SlotDecoder.for_model(model, rows, lengths[1] + budget + 2, graphs=False, prefill_tokens=9)
     prefills, prefill = [], slots.steps.prefill
     slots.steps.prefill = lambda *a, **k: prefills.append(len(a[1])) or prefill(*a, **k)
     path = tmp_path / "kernels.txt"
     out = decode_bench.profile_regeneration(slots, rows, 1, lengths, int(model.config.vocab_size), 0, path, steps=3)
-    assert out["live_rows"] == rows and out["fill_steps"] == len(prefills) == 4 and prefills == [1, 1, 1, 1]
+    assert out["live_rows"] == rows and out["fill_steps"] == 1 and prefills == [1, 1, 1, 1]  # one forward each
     assert slots.num_live == rows and not slots.pending  # nothing prefilled or finished in the window
     assert path.read_text().startswith("3 regeneration steps at 4 rows, every row live")
