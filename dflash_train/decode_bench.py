@@ -104,7 +104,7 @@ def regeneration_rate(model, rows: int, *, graphs: bool, new_tokens: int, prompt
     entry = {"rows": rows, "graphs": graphs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
              "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1), "capture_s": warm_capture + capture,
              "graphs_captured": slots.steps.graphs.num_captured, "attention": slots.steps.attention,
-             "overlap": slots.overlap, **{f"{k}_s": slots.seconds[k] - host[k] for k in slots.seconds}}
+             "overlap": slots.overlap, **{k: v - host[k] for k, v in slots.seconds.items()}}
     if profile_path is not None:
         entry["profile"] = profile_regeneration(slots, rows, new_tokens, prompt_lengths, vocab, seed, profile_path)
     return entry

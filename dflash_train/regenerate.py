@@ -170,6 +170,8 @@ class Responder(Protocol):
 
     def poll(self) -> list[tuple[Any, str, bool, list[int]]]: ...
 
+    def engine_seconds(self) -> dict[str, float]: ...  # ENGINE_STATS it measures, so far
+
 
 class LocalResponder:
     """The target on the decoding engine: turns are slots.SlotDecoder requests, `rows` at a
@@ -197,7 +199,7 @@ class LocalResponder:
 
     def engine_seconds(self) -> dict[str, float]:
         """ENGINE_STATS so far."""
-        return {f"{k}_s": v for k, v in self.slots.seconds.items()}
+        return dict(self.slots.seconds)
 
     def submit(self, key, text: str, ids: list[int], seed: int) -> None:
         self.slots.add(key, ids, self.max_new_tokens, seed)
@@ -226,6 +228,10 @@ class ServerResponder:
         self.futures: dict = {}
         self.generated_tokens = 0
         self.capture_seconds = 0.0
+
+    def engine_seconds(self) -> dict[str, float]:
+        """None of ENGINE_STATS: the engines' time is the servers'."""
+        return {}
 
     def submit(self, key, text: str, ids: list[int], seed: int) -> None:
         from dflash_train.serving import prompt_text
@@ -579,7 +585,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
 
             def report(finished: int) -> None:  # every `progress_every_s`, written lines or not
                 summary["num_new_tokens"] = responder.generated_tokens
-                summary.update(getattr(responder, "engine_seconds", dict)())
+                summary.update(responder.engine_seconds())
                 if time.perf_counter() - last_log[0] >= progress_every_s:
                     _progress(log, done + finished, stop, done, summary, summary["num_new_tokens"], started)
                     last_log[0] = time.perf_counter()
@@ -597,7 +603,7 @@ def regenerate(paths, target, out, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 if signals is not None:
                     signals.restore()
             summary["num_new_tokens"] = responder.generated_tokens
-            summary.update(getattr(responder, "engine_seconds", dict)())
+            summary.update(responder.engine_seconds())
             summary["capture_s"] = responder.capture_seconds
             summary["rows"] = responder.capacity  # turns decoded at once (engine rows, or server concurrency)
         else:

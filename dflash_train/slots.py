@@ -75,10 +75,10 @@ class SlotDecoder:
 
     `overlap` (default): each step launches the next decode step before it reads the tokens of
     the one before (module docstring; on CPU it changes nothing but the order of the work).
-    `seconds` counts where the host's time goes: refills (`prefill`: the prefill forward and its
-    first tokens), queueing decode steps (`launch`), blocked on the GPU for a step's tokens
-    (`wait`) and booking them (`book`: outputs, stop and budget checks, rows leaving); the rest
-    of a caller's wall time is the caller's own."""
+    `seconds` counts where the host's time goes: refills (`prefill_s`: the prefill forward and
+    its first tokens), queueing decode steps (`launch_s`), blocked on the GPU for a step's
+    tokens (`wait_s`) and booking them (`book_s`: outputs, stop and budget checks, rows leaving);
+    the rest of a caller's wall time is the caller's own."""
 
     def __init__(self, steps: TargetSteps, rows: int | None = None, *, stop_ids: Iterable[int] = (),
                  refill: int | None = None, prefill_tokens: int = PREFILL_TOKENS, overlap: bool = True) -> None:
@@ -109,7 +109,7 @@ class SlotDecoder:
         self.seed_R = torch.zeros(0, dtype=torch.long, device=self.device)
         self.ahead: _Launched | None = None  # the step launched and not yet read
         self.generated = 0  # new tokens so far (prefill tokens included)
-        self.seconds = {"prefill": 0.0, "launch": 0.0, "wait": 0.0, "book": 0.0}
+        self.seconds = {"prefill_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "book_s": 0.0}
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -191,7 +191,7 @@ class SlotDecoder:
         self.n_S[chosen] = 1
         self.num_live += len(window)
         self.generated += len(window)
-        self.seconds["prefill"] += time.perf_counter() - began
+        self.seconds["prefill_s"] += time.perf_counter() - began
         return self._retire(chosen)
 
     def _retire(self, slots: np.ndarray) -> list[Finished]:
@@ -254,7 +254,7 @@ class SlotDecoder:
         self.token_R = next_R.clone()
         self.pos_R = torch.where(self.pos_R >= 0, self.pos_R + 1, self.pos_R)
         self.pos_S[live] += 1
-        self.seconds["launch"] += time.perf_counter() - began
+        self.seconds["launch_s"] += time.perf_counter() - began
         return _Launched(live, self.rid_S[live], tokens, ready)
 
     def step(self) -> list[Finished]:
@@ -269,7 +269,7 @@ class SlotDecoder:
         began = time.perf_counter()
         tokens = launched.wait()  # host sync: the step's one
         booking = time.perf_counter()
-        self.seconds["wait"] += booking - began
+        self.seconds["wait_s"] += booking - began
         now = self.where[launched.rids]  # where each launched row is now (rows may have moved), -1: gone
         kept = now >= 0
         slots = now[kept]
@@ -277,7 +277,7 @@ class SlotDecoder:
         self.n_S[slots] += 1
         self.generated += len(slots)
         done += self._retire(slots)
-        self.seconds["book"] += time.perf_counter() - booking
+        self.seconds["book_s"] += time.perf_counter() - booking
         return done
 
     def run(self) -> Iterable[Finished]:

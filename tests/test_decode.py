@@ -373,7 +373,7 @@ def test_overlapped_steps_with_requests_arriving_between_them(tiny_target, monke
                     slots.add(key, p, n, seed=key)
                 queue = queue[2:]
         got[overlap] = out
-        assert slots.seconds["prefill"] > 0 and slots.seconds["wait"] >= 0
+        assert slots.seconds["prefill_s"] > 0 and slots.seconds["wait_s"] >= 0
         assert slots.generated == sum(len(r) for r in refs)
     assert got[True] == got[False] == dict(enumerate(refs))
 
