@@ -31,10 +31,6 @@ import torch
 
 from dflash_train.decode import PREFILL_TOKENS, TargetSteps, pick
 
-# A refill's prefill group pads its prompts to its longest; a longer prompt starts a new group
-# once the group would hold more than this many padded tokens per prompt token.
-PAD_RATIO = 1.25
-
 
 @dataclass
 class Finished:
@@ -140,9 +136,12 @@ class SlotDecoder:
 
     def _fill(self) -> list[Finished]:
         """Admit the waiting requests, oldest first, into the free slots: sorted by prompt length
-        and prefilled in groups of at most `prefill_tokens` padded tokens and PAD_RATIO padded
-        tokens per prompt token (groups taken in arrival order padded real chats 2.2 times),
-        their first tokens read once for all the groups."""
+        and prefilled in as few forwards as fit `prefill_tokens` padded tokens each (a group
+        pads its prompts to its longest, the last one), their first tokens read once for all the
+        groups. An eager prefill forward of a small target costs its host time (its launches),
+        not its padded tokens: on the H200, groups split to pad less made the refills slower
+        (on the first 3,000 ShareGPT chats with a stub engine, 706 forwards at 1.17 padded
+        tokens per prompt token; this rule: 465 at 1.43; docs/PERFORMANCE.md)."""
         live = self.num_live
         free = self.max_rows - live
         if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
@@ -151,15 +150,12 @@ class SlotDecoder:
         holes = np.flatnonzero(self.rid_S[:self.used] < 0).tolist() + list(range(self.used, self.max_rows))
         window = sorted((self.pending.popleft() for _ in range(min(free, len(self.pending)))),
                         key=lambda t: t[1].numel())
-        groups, group, real = [], [], 0
+        groups, group = [], []
         for t in window:  # ascending length: a group's longest prompt is its last
-            n = t[1].numel()
-            padded = (len(group) + 1) * n
-            if group and (padded > self.prefill_tokens or padded > PAD_RATIO * (real + n)):
+            if group and (len(group) + 1) * t[1].numel() > self.prefill_tokens:
                 groups.append(group)
-                group, real = [], 0
+                group = []
             group.append(t)
-            real += n
         groups.append(group)
         chosen = np.array(holes[: len(window)], dtype=np.int64)
         used = max(self.used, int(chosen[-1]) + 1)
@@ -208,7 +204,9 @@ class SlotDecoder:
             self.where[self.rid_S[leaving]] = -1  # a step in flight may still decode them: its tokens are dropped
             self.rid_S[leaving] = -1
             self.num_live -= len(leaving)
-            self.pos_R[self._to_device(leaving)] = -1
+            # index_fill_, not `pos_R[index] = -1`: setting a CUDA tensor's items to a Python
+            # number copies it from the host first, a blocking copy that waits for the step in flight.
+            self.pos_R.index_fill_(0, self._to_device(leaving), -1)
             live = np.flatnonzero(self.rid_S[: self.used] >= 0)
             self.used = int(live[-1]) + 1 if len(live) else 0
             self.token_R, self.pos_R, self.seed_R = (t[: self.used] for t in (self.token_R, self.pos_R, self.seed_R))
