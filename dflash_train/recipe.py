@@ -3,9 +3,10 @@
 `QUALITY_TRAIN_ARGS` are the training settings chosen on walked validation tau (docs/QUALITY.md:
 5 layers, 16K-token batches, 512 anchors, lr 1e-3, compiled target and drafter, D-PACE position
 weights, loop tails skipped), and `QUALITY_SOURCES` the offline prompt sources (sources.py)
-regenerated and trained on beside the chats (chosen on the pooled held-out chats and source
-records, docs/QUALITY.md "Fifth measurement"); `scripts/quality_run.sh` reads both from here, and
-so does the embedded default on a GPU.
+regenerated and trained on beside the chats (python-functions and word-problems chosen on the
+pooled held-out chats and source records, docs/QUALITY.md "Fifth measurement"; python-packages
+on held-out chats, source records and package records, "Seventh measurement");
+`scripts/quality_run.sh` reads both from here, and so does the embedded default on a GPU.
 
 `dflash-train train` with no arguments on a machine with a CUDA GPU runs that recipe end to end
 at a size meant to finish in about 15 minutes on one H200 (`GpuDefault`): the first 6,000
@@ -31,8 +32,10 @@ QUALITY_TRAIN_ARGS: tuple[str, ...] = (
     "objective.weighting=dpace", "objective.loop_tails=skip",
 )
 # python-functions ends where the running Python's standard library does (2,893 functions on 3.12,
-# 3,454 on 3.11): 10,000 takes all of it
-QUALITY_SOURCES: tuple[tuple[str, int], ...] = (("python-functions", 10_000), ("word-problems", 4_000))
+# 3,454 on 3.11): 10,000 takes all of it. python-packages: the first 8,000 of the installed
+# libraries' documented functions (about 19,000 with torch and transformers installed), shuffled
+QUALITY_SOURCES: tuple[tuple[str, int], ...] = (("python-functions", 10_000), ("word-problems", 4_000),
+                                                ("python-packages", 8_000))
 EVAL_SETS = ("mt-bench", "humaneval", "gsm8k")
 MIN_GPU_GIB = 32.0  # the recipe's training peaked at 28.4 GiB on an H200 (docs/QUALITY.md)
 

@@ -28,7 +28,8 @@
 #   SOURCES [the recipe's]                   offline prompt sources to regenerate and train on too,
 #                                            "name:count ..." (`dflash-train data source`; recipe.py's
 #                                            QUALITY_SOURCES: "python-functions:10000
-#                                            word-problems:4000"); SOURCES= for none
+#                                            word-problems:4000 python-packages:8000");
+#                                            SOURCES= for none
 #   SOURCE_SAMPLES [0]                       more answers per source prompt: each source regenerated
 #                                            this many more times, sampled (seeds 1..N) at
 #   SAMPLE_TEMPERATURE [1.0]  SAMPLE_TOP_P [0.95]   these settings, and trained on too (the
