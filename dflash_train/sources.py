@@ -27,10 +27,13 @@ versions (in every id).
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import importlib.metadata
 import importlib.util
 import itertools
 import json
+import multiprocessing
+import os
 import random
 import sys
 import sysconfig
@@ -53,6 +56,7 @@ PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_h
 MIN_LINES, MAX_LINES = 4, 60  # a function's lines, signature and docstring included
 MIN_DOC_CHARS = 20
 MAX_FILE_BYTES = 400_000
+PARALLEL_FILES = 200  # library_functions parses at least this many files in several processes
 
 CODE_WORDINGS = (
     "Implement the following Python function.\n\n```python\n{code}\n```",
@@ -119,38 +123,67 @@ def _function(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, mo
     return Function(module, qualname, owner, prompt.rstrip() + "\n", source.rstrip() + "\n")
 
 
-def library_functions(root: Path | None = None, package: str | None = None) -> list[Function]:
+def _file_functions(path: Path, root: Path, package: str | None) -> list[Function]:
+    """The documented public functions and methods (one class level) of one library file, in
+    source order (none when it does not parse)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        return []
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    module = ".".join(((package,) if package else ()) + parts)
+    if not module:
+        return []
+    lines = text.splitlines(keepends=True)
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            candidates = [(node, None)]
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            candidates = [(n, node.name) for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        else:
+            continue
+        for fn, owner in candidates:
+            f = _function(lines, fn, module, owner)
+            if f is not None:
+                found.append(f)
+    return found
+
+
+def _files_functions(job: tuple[list[Path], Path, str | None]) -> list[list[Function]]:
+    files, root, package = job
+    return [_file_functions(path, root, package) for path in files]
+
+
+def _parse_workers(num_files: int, workers: int | None) -> int:
+    """Processes for parsing `num_files` files: `workers`, or (None) one per CPU up to 16 once
+    there are PARALLEL_FILES files (a process's start costs more than parsing a few)."""
+    if workers is not None:
+        return max(1, int(workers))
+    return 1 if num_files < PARALLEL_FILES else max(1, min(16, os.cpu_count() or 1))
+
+
+def library_functions(root: Path | None = None, package: str | None = None,
+                      workers: int | None = None) -> list[Function]:
     """The documented public functions and methods (one class level) of the library under
     `root` (the standard library), in file and source order; with `package`, `root` is that
-    package's folder and module names start with it."""
+    package's folder and module names start with it. The files are parsed in `workers`
+    processes (None: _parse_workers), the result the same as in one: torch's and transformers'
+    thousands of files took 75 s in one process on a 2-core machine."""
     root = root or stdlib_root()
-    found: list[Function] = []
-    for path in _library_files(root):
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        parts = path.relative_to(root).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        module = ".".join(((package,) if package else ()) + parts)
-        if not module:
-            continue
-        lines = text.splitlines(keepends=True)
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                candidates = [(node, None)]
-            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                candidates = [(n, node.name) for n in node.body
-                              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            else:
-                continue
-            for fn, owner in candidates:
-                f = _function(lines, fn, module, owner)
-                if f is not None:
-                    found.append(f)
-    return found
+    files = _library_files(root)
+    n = _parse_workers(len(files), workers)
+    if n == 1:
+        return [f for path in files for f in _file_functions(path, root, package)]
+    # Contiguous slices, a few per process, so the order is the files' order; spawned, not
+    # forked: the caller may hold threads (tokenizers, torch) that a fork copies mid-lock.
+    step = max(1, -(-len(files) // (4 * n)))
+    jobs = [(files[i: i + step], root, package) for i in range(0, len(files), step)]
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [f for part in pool.map(_files_functions, jobs) for found in part for f in found]
 
 
 def _code_records(source: str, functions: list[tuple[str, Function]], seed: int) -> Iterator[dict]:

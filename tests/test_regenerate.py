@@ -388,3 +388,75 @@ def test_rows_are_capped_by_the_turns_and_caches_that_do_not_fit_are_refused(tmp
     assert not out.exists()
     fits = run([many], tiny_target, tmp_path / "fits.jsonl", batch_size=300, max_prompt_length=1024, limit=150)
     assert fits["rows"] == 300 and fits["num_written"] == 150  # 300 rows take just under 90% of the free memory
+
+
+def test_prompt_ids_take_over_the_last_prompts_ids_and_equal_whole_tokenization(any_tokenizer, monkeypatch):
+    """Each turn's prompt ids, built from the last prompt's ids up to a special token plus the
+    new text's, equal tokenizing the whole rendered prompt, on real multi-turn ShareGPT chats
+    answered with their own replies, for the ChatML, Llama 3 and Qwen3 templates (Qwen3
+    rewrites earlier turns); the guard is off here so that a difference would show."""
+    from dflash_train.assets import sharegpt_json
+
+    name, tokenizer = any_tokenizer
+    made = []
+
+    class Unguarded(regenerate.PromptIds):
+        def __init__(self, tok):
+            super().__init__(tok, check=0)
+            made.append(self)
+    monkeypatch.setattr(regenerate, "PromptIds", Unguarded)
+
+    records = []
+    for record in data.iter_records([sharegpt_json()]):
+        if not isinstance(record, data.Skip) and sum(m["role"] == "assistant" for m in record.messages) >= 3:
+            records.append(record)
+        if len(records) == 40:
+            break
+
+    class Replay:  # answers each turn with the record's own reply
+        capacity = 8
+
+        def __init__(self):
+            self.asked, self.turns, self.prompts = [], {}, []
+
+        def submit(self, key, text, ids, seed):
+            self.asked.append(key)
+            self.prompts.append((text, ids))
+
+        def poll(self):
+            out = []
+            for key in self.asked:
+                turn = self.turns.get(key, 0)
+                self.turns[key] = turn + 1
+                replies = [m["content"] for m in records[key].messages if m["role"] == "assistant"]
+                out.append((key, replies[turn], True, [1, 2, 3]))
+            self.asked = []
+            return out
+
+    responder = Replay()
+    stats = {**dict.fromkeys(regenerate.CHUNK_STATS, 0), **dict.fromkeys(regenerate.HOST_STATS, 0.0)}
+    lines = list(regenerate.regenerate_stream(responder, tokenizer, records, 0,
+                                              {"max_prompt_length": 100_000, "seed": 0}, stats))
+    assert len(lines) == len(records) and len(responder.prompts) > 2 * len(records)
+    whole = tokenizer([text for text, _ in responder.prompts], add_special_tokens=False)["input_ids"]
+    assert [ids for _, ids in responder.prompts] == whole
+    assert made[0].enabled and made[0].mismatch is None
+    assert made[0].reused_tokens > sum(len(ids) for ids in whole) // 3  # most of the later turns' ids taken over
+
+
+def test_prompt_ids_guard_turns_reuse_off_at_a_difference(smollm2_tokenizer):
+    """The first prompts that reuse ids are checked against whole tokenization: a difference
+    (here a last prompt whose ids were wrong) gives the whole ids and turns reuse off."""
+    class Conv:
+        prompt_ids = None
+
+    tok = smollm2_tokenizer
+    ids = regenerate.PromptIds(tok)
+    conv = Conv()
+    first = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    second = first + "hi there<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert ids.encode([(conv, first)]) == [tok(first, add_special_tokens=False)["input_ids"]]
+    text, good, cuts = conv.prompt_ids
+    conv.prompt_ids = (text, [7] * len(good), cuts)  # the last prompt's ids, corrupted
+    assert ids.encode([(conv, second)]) == [tok(second, add_special_tokens=False)["input_ids"]]
+    assert not ids.enabled and "differs from tokenizing it whole" in ids.mismatch

@@ -93,6 +93,9 @@ def test_library_functions_keeps_documented_public_code(library):
     assert found["shapes.decorated"].prompt_code.startswith("@staticmethod\ndef decorated(a, b):")
     method = found["shapes.Square.perimeter"]
     assert method.owner == "Square" and method.source.startswith("def perimeter(self):")  # dedented
+    # parsed in several processes (as the installed packages' thousands of files are): the same, in order
+    assert sources.library_functions(library, workers=2) == sources.library_functions(library, workers=1)
+    assert sources._parse_workers(sources.PARALLEL_FILES - 1, None) == 1
 
 
 def test_python_function_records_are_chat_records(library, tmp_path):
