@@ -377,7 +377,8 @@ class PromptIds:
         return out
 
 
-CHUNK_STATS = ("num_turns", "num_unfinished", "num_looping", "num_empty", "num_cut", "num_template_errors")
+CHUNK_STATS = ("num_turns", "num_unfinished", "num_looping", "num_empty", "num_cut", "num_template_errors",
+               "num_prompt_tokens_reused", "num_prompt_id_mismatches")  # the last two: PromptIds
 # Host seconds of the scheduler's own work, outside the engine's steps: rendering and tokenizing
 # each next prompt (prompt_s), and turning each finished turn's ids into text (text_s); and of the
 # engine's (slots.SlotDecoder.seconds): refills (prefill_s: their forward and first tokens),
@@ -411,6 +412,8 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
     next_out, end = first_position, first_position + len(records)
     beyond = sum(not first_position <= k < end for k in finished)  # kept for records after this range
 
+    for key in CHUNK_STATS:
+        stats.setdefault(key, 0)
     for key in HOST_STATS:
         stats.setdefault(key, 0.0)
 
@@ -433,7 +436,10 @@ def regenerate_stream(responder: Responder, tokenizer, records: list[Record], fi
             except Exception:  # noqa: BLE001 - a template may refuse a conversation (jinja raise)
                 stats["num_template_errors"] += 1
                 finish(conv)
+        reused, mismatch = prompt_ids.reused_tokens, prompt_ids.mismatch
         encoded = prompt_ids.encode(rendered)
+        stats["num_prompt_tokens_reused"] += prompt_ids.reused_tokens - reused
+        stats["num_prompt_id_mismatches"] += prompt_ids.mismatch is not None and mismatch is None
         stats["prompt_s"] += time.perf_counter() - began
         for (conv, text), ids in zip(rendered, encoded):
             if len(ids) > settings["max_prompt_length"]:

@@ -440,8 +440,9 @@ def test_prompt_ids_take_over_the_last_prompts_ids_and_equal_whole_tokenization(
     assert len(lines) == len(records) and len(responder.prompts) > 2 * len(records)
     whole = tokenizer([text for text, _ in responder.prompts], add_special_tokens=False)["input_ids"]
     assert [ids for _, ids in responder.prompts] == whole
-    assert made[0].enabled and made[0].mismatch is None
+    assert made[0].enabled and made[0].mismatch is None and stats["num_prompt_id_mismatches"] == 0
     assert made[0].reused_tokens > sum(len(ids) for ids in whole) // 3  # most of the later turns' ids taken over
+    assert stats["num_prompt_tokens_reused"] == made[0].reused_tokens
 
 
 def test_prompt_ids_guard_turns_reuse_off_at_a_difference(smollm2_tokenizer):
