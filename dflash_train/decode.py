@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from dflash_train.engine_attention import (CAUSAL_ATTENTION, GROUPED_ATTENTION, VARLEN_ATTENTION, KeyCounts,
@@ -342,7 +343,7 @@ class TargetSteps:
         # Host values go to the device without a blocking copy (one would wait for every step
         # queued before this prefill: slots.SlotDecoder keeps a decode step in flight).
         sizes = [len(p) for p in prompts]
-        lengths = torch.tensor(sizes).to(self.device, non_blocking=True)
+        lengths = to_device(sizes, self.device)
         Rb = pick(R, self.rows)
         if self.graphs.buckets_small_steps and Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
             Pb = pick(P, self.widths)
@@ -363,10 +364,10 @@ class TargetSteps:
         pos_RP = torch.where(pos_RP <= (lengths - 1)[:, None], pos_RP, -1)  # padding: written to the trash column
         # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
         keep = sorted(set(n - 1 for n in sizes))
-        logits = self._forward(ids_RP, pos_RP, P, row_index=slots,
-                               logits_to_keep=torch.tensor(keep).to(self.device, non_blocking=True),
+        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=to_device(keep, self.device),
                                causal=not has_sliding_layers(self.model.config))
-        pick_R = torch.tensor([keep.index(n - 1) for n in sizes]).to(self.device, non_blocking=True)
+        at = {last: i for i, last in enumerate(keep)}
+        pick_R = to_device([at[n - 1] for n in sizes], self.device)
         logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
         first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
         feats = self.taps.features() if self.taps is not None else None
@@ -444,6 +445,13 @@ class TargetSteps:
         block_RB, pos_RB, seeds_R = _pad_rows(Rb, block_RB, pos_RB, seeds_R, pad_pos=-1)
         chosen, acc, *feats = self.graphs.run(("verify", Rb, W), self._verify_fn(W), block_RB, pos_RB, seeds_R)
         return chosen[:R], acc[:R], (feats[0][:R] if feats else None)
+
+
+def to_device(values, device) -> torch.Tensor:
+    """Host ints (a list or a numpy array) as a long tensor on `device`, queued without waiting:
+    a blocking copy to a CUDA device waits for everything queued before it (ATen copies, then
+    synchronizes the stream), a decode step in flight included (slots.SlotDecoder keeps one)."""
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device, non_blocking=True)
 
 
 def _padded_ids(prompts: list[torch.Tensor], rows: int, width: int, device) -> torch.Tensor:

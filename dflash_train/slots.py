@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from dflash_train.decode import PREFILL_TOKENS, TargetSteps, pick
+from dflash_train.decode import PREFILL_TOKENS, TargetSteps, pick, to_device
 
 
 @dataclass
@@ -230,11 +230,7 @@ class SlotDecoder:
         self.used = k
 
     def _to_device(self, values) -> torch.Tensor:
-        """Host indices or values as a long tensor on the device, queued without waiting: a
-        blocking copy to a CUDA device waits for everything queued before it (ATen copies, then
-        synchronizes the stream), the step in flight included, which would undo the overlap."""
-        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        return host.to(self.device, non_blocking=True)
+        return to_device(values, self.device)
 
     def _launch(self) -> _Launched:
         """Queue one decode step of every live row; the rows' next tokens and positions become
