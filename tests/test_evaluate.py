@@ -512,3 +512,24 @@ def test_a_turns_answer_reaches_the_next_turn_as_generated(smollm2_path):
     evaluate._add_turn(entry, [], messages, Recording(), gen, None)
     assert calls == [{"skip_special_tokens": True, "clean_up_tokenization_spaces": False}]
     assert messages == [{"role": "assistant", "content": "Yes , it is . Done !"}]
+
+
+def test_check_lossless_script_compares_three_decoders_and_exports_its_drafter(tmp_path):
+    """scripts/check_lossless.py (the float32 check run on GPU targets, docs/EVALUATION.md) on the
+    tiny target: every turn's target-only, speculative and `generate` outputs agree, its JSON says
+    so per turn, and the random drafter it exports loads as a drafter folder."""
+    import importlib.util
+
+    from dflash_train.export import load_drafter
+
+    spec = importlib.util.spec_from_file_location("check_lossless", ROOT / "scripts" / "check_lossless.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "lossless"
+    assert script.main(["--target", "bundled:tiny-random-llama", "--device", "cpu", "--prompts", "1",
+                        "--new-tokens", "8", "--rows", "2", "--out", str(out)]) == 0
+    result = json.loads((out / "lossless.json").read_text())
+    assert result["num_turns"] == 3 and result["num_differ"] == 0
+    assert {t["set"] for t in result["turns"]} == {"mt-bench", "humaneval", "gsm8k"}
+    assert all(t["speculative_vs_target_only"] is None and t["tokens"] >= 1 for t in result["turns"])
+    assert load_drafter(out / "random-drafter", "random-drafter").config.dflash_config["block_size"] == 16
