@@ -8,7 +8,7 @@
 #   TRAIN_GPUS=2 scripts/quality_run.sh                      # training on 2 GPUs
 #   TARGET=bundled:tiny-random-llama NUM_RECORDS=6 SOURCES=word-problems:3 MAX_NEW_TOKENS=8 TRAIN_STEPS=4 \
 #     TRAIN_ARGS= REGEN_ARGS="--temperature 5" VALIDATION=2 EVAL_EVERY=2 EVAL_LIMIT=2 EVAL_MAX_NEW_TOKENS=16 \
-#     EVAL_BATCH_SIZE=2 DEVICE=cpu WORKERS=2 OUT=/tmp/qr scripts/quality_run.sh   # CPU smoke test
+#     EVAL_BATCH_SIZE=2 DEVICE=cpu WORKERS=1 OUT=/tmp/qr scripts/quality_run.sh   # CPU smoke test
 #
 # Knobs (environment variables; defaults in brackets):
 #   TARGET [bundled:smollm2-135m-instruct]   target model folder or bundled name

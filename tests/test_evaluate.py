@@ -449,7 +449,7 @@ def test_quality_run_script_smoke_test_runs_end_to_end(tmp_path):
     settings = {"TARGET": TINY, "NUM_RECORDS": "6", "SOURCES": "word-problems:3", "MAX_NEW_TOKENS": "8",
                 "TRAIN_STEPS": "4", "TRAIN_ARGS": "", "REGEN_ARGS": "--temperature 5", "VALIDATION": "2",
                 "EVAL_EVERY": "2", "EVAL_LIMIT": "2", "EVAL_MAX_NEW_TOKENS": "16", "EVAL_BATCH_SIZE": "2",
-                "DEVICE": "cpu", "WORKERS": "2"}
+                "DEVICE": "cpu", "WORKERS": "1"}
     for key, value in settings.items():  # the header documents this very command
         assert (f"{key}={value} " if " " not in value else f'{key}="{value}"') in header, key
     out = tmp_path / "qr"

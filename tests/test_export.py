@@ -89,6 +89,30 @@ def exports(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def probed(exports, tmp_path_factory):
+    """probed(compat) -> (reports, outputs by case, inputs): one child process per transformers
+    release (compat: 4.57.1, else this environment's 5.x) that reads every exported folder and
+    runs each drafter, loaded with trust_remote_code, on the same inputs (fp32)."""
+    done = {}
+
+    def get(compat: bool):
+        if compat not in done:
+            tmp = tmp_path_factory.mktemp("probe")
+            gen = torch.Generator().manual_seed(3)
+            inputs = {"target_hidden": torch.randn(2, 7, 2 * 64, generator=gen),
+                      "noise_embedding": torch.randn(2, 4, 64, generator=gen),
+                      "position_ids": torch.arange(11).expand(2, 11).contiguous() + 40}
+            save_file(inputs, str(tmp / "inputs.safetensors"))
+            reports = probe([folder for _, folder in exports.values()], str(tmp / "inputs.safetensors"),
+                            str(tmp / "out.safetensors"), compat=compat, tmp=tmp)
+            hidden = load_file(str(tmp / "out.safetensors"))
+            done[compat] = reports, {name: hidden[f"hidden_{i}"] for i, name in enumerate(exports)}, inputs
+        return done[compat]
+
+    return get
+
+
 def test_config_carries_both_rope_conventions_and_the_serving_fields(exports):
     for name, (drafter, folder) in exports.items():
         cfg = json.loads((folder / "config.json").read_text())
@@ -126,8 +150,8 @@ def test_export_round_trips(exports):
 
 
 @pytest.mark.parametrize("compat", [True, False], ids=["transformers-4.57.1", "transformers-5"])
-def test_every_transformers_builds_the_trained_inverse_frequencies(exports, compat, tmp_path):
-    reports = probe([folder for _, folder in exports.values()], compat=compat, tmp=tmp_path)
+def test_every_transformers_builds_the_trained_inverse_frequencies(exports, probed, compat):
+    reports, _, _ = probed(compat)
     for (name, (drafter, folder)), report in zip(exports.items(), reports):
         assert report["transformers"].startswith("4.57" if compat else "5."), report["transformers"]
         assert report["config_class"] == "Qwen3Config" and report["head_dim"] == 16
@@ -153,23 +177,17 @@ def test_without_the_legacy_fields_transformers_4_reads_another_base(exports, tm
 
 
 @pytest.mark.parametrize("compat", [True, False], ids=["transformers-4.57.1", "transformers-5"])
-def test_exported_modeling_code_computes_the_trained_outputs(exports, compat, tmp_path):
+def test_exported_modeling_code_computes_the_trained_outputs(exports, probed, compat):
     """AutoModel.from_pretrained(export, trust_remote_code=True) under 4.57.1 and 5.x loads the
     project's own modeling code (copied into the export) and gives the trained drafter's
-    outputs, with a KV-cache-free call of the published convention (fp32, 1e-5)."""
-    for name in ("llama3-scaled", "partial rotary"):
-        drafter, folder = exports[name]
-        gen = torch.Generator().manual_seed(3)
-        inputs = {"target_hidden": torch.randn(2, 7, 2 * 64, generator=gen),
-                  "noise_embedding": torch.randn(2, 4, 64, generator=gen),
-                  "position_ids": torch.arange(11).expand(2, 11).contiguous() + 40}
-        save_file(inputs, str(tmp_path / "inputs.safetensors"))
-        (report,) = probe([folder], str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors"),
-                          compat=compat, tmp=tmp_path)
-        assert report["model_class"] == "DFlashDraftModel"
+    outputs, with a KV-cache-free call of the published convention (fp32, 1e-5), for every
+    RoPE case."""
+    reports, outputs, inputs = probed(compat)
+    for (name, (drafter, _)), report in zip(exports.items(), reports):
+        assert report["model_class"] == "DFlashDraftModel", name
         with torch.no_grad():
             want = drafter(inputs["target_hidden"], inputs["noise_embedding"], inputs["position_ids"])
-        torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["hidden"], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outputs[name], want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_the_last_layer_cannot_be_tapped(tmp_path):

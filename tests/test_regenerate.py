@@ -222,7 +222,7 @@ def test_resume_after_a_kill_mid_file(tmp_path, tiny_target):
     from conftest import ROOT, subprocess_env
 
     records = [{"id": f"k{i}", "conversations": [{"from": "human", "value": f"tell me about {i}"},
-                                                 {"from": "gpt", "value": "x"}] * 2} for i in range(150)]
+                                                 {"from": "gpt", "value": "x"}] * 2} for i in range(80)]
     src = write_jsonl(tmp_path / "in.jsonl", records)
     whole = tmp_path / "whole.jsonl"
     run([src], tiny_target, whole, batch_size=2)

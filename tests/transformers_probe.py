@@ -5,9 +5,10 @@ from an exported drafter folder, as JSON on stdout.
     python transformers_probe.py FOLDER[,FOLDER...] [INPUTS.safetensors OUTPUT.safetensors]
 
 For each folder (one JSON list): the transformers version, the config fields it read and the
-inverse frequencies and attention scaling of the rotary embedding it builds. With INPUTS (one
-folder): the drafter loaded through `AutoModel.from_pretrained(FOLDER, trust_remote_code=True)`
-runs the published calling convention on the inputs and its output is written to OUTPUT.
+inverse frequencies and attention scaling of the rotary embedding it builds. With INPUTS: each
+folder's drafter, loaded through `AutoModel.from_pretrained(FOLDER, trust_remote_code=True)`,
+runs the published calling convention on the inputs, and OUTPUT holds the output of the i-th
+folder's as `hidden_i`.
 """
 
 import json
@@ -39,16 +40,18 @@ def main() -> None:
     folders = sys.argv[1].split(",")
     reports = [read(folder) for folder in folders]
     if len(sys.argv) > 2:
-        (folder,), report = folders, reports[0]
         from safetensors.torch import load_file, save_file
         from transformers import AutoModel
 
         inputs = load_file(sys.argv[2])
-        model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-        report["model_class"] = type(model).__name__
-        with torch.no_grad():
-            out = model(inputs["target_hidden"], inputs["noise_embedding"], inputs["position_ids"])
-        save_file({"hidden": out.contiguous()}, sys.argv[3])
+        outputs = {}
+        for i, (folder, report) in enumerate(zip(folders, reports)):
+            model = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+            report["model_class"] = type(model).__name__
+            with torch.no_grad():
+                out = model(inputs["target_hidden"], inputs["noise_embedding"], inputs["position_ids"])
+            outputs[f"hidden_{i}"] = out.contiguous()
+        save_file(outputs, sys.argv[3])
     print(json.dumps(reports))
 
 
