@@ -81,7 +81,8 @@ def main(argv=None) -> int:
               "speculative_vs_generate": first_difference(speculative[i], reference[i]),
               "speculative_vs_target_only": first_difference(speculative[i], target_only[i])}
              for i, (name, rid, p) in enumerate(items)]
-    differ = [t for t in turns if any(v is not None for k, v in t.items() if k.endswith(("generate", "only")))]
+    compared = ("target_only_vs_generate", "speculative_vs_generate", "speculative_vs_target_only")
+    differ = [t for t in turns if any(t[k] is not None for k in compared)]
     result = {"target": args.target, "device": args.device, "dtype": "float32", "new_tokens": n,
               "num_turns": len(turns), "num_differ": len(differ), "seconds": seconds, "turns": turns}
     (out / "lossless.json").write_text(json.dumps(result, indent=1) + "\n")
