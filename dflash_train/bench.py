@@ -121,6 +121,7 @@ def synthetic_dataset(workload: Workload, mask_token_id: int, seed: int):
     """Random token ids (never the mask token) with the workload's lengths; the last
     `supervised` share of every sample carries loss."""
     from datasets import Dataset
+    from datasets.table import InMemoryTable
 
     rng = np.random.default_rng(seed)
     low, high = workload.lengths
@@ -132,7 +133,10 @@ def synthetic_dataset(workload: Workload, mask_token_id: int, seed: int):
         mask = np.zeros(n, dtype=bool)
         mask[n - int(round(n * workload.supervised)):] = True
         masks.append(mask)
-    return Dataset.from_dict({"input_ids": ids, "loss_mask": masks, "length": lengths})
+    # Named by what draws it: no content hash (datasets hashes with dill, which some pyarrow
+    # and Python pairings cannot pickle).
+    table = InMemoryTable.from_pydict({"input_ids": ids, "loss_mask": masks, "length": lengths})
+    return Dataset(table, fingerprint=f"bench-{workload.num_samples}-{low}-{high}-{seed}-{mask_token_id}")
 
 
 def target_config(workload: Workload):

@@ -3,7 +3,9 @@
 Owns every torch.compile of training and benchmarks, decided from the config and the device in
 `Compilation.decide` and applied by `apply`:
 - flex attention (the drafter's attention under a BlockMask): always on CUDA, the eager
-  fallback materialises the whole score matrix; one kernel per (queries, keys) shape.
+  fallback materialises the whole score matrix; one kernel per (queries, keys) shape, with
+  the kernel options of `flex_kernel_options` (train.flex_kernel_options, or tiles chosen by
+  head dim).
 - the drafter's layers (`train.compile`), each as a module, with torch's default shape
   handling (a second shape recompiles once, dynamic in the dimensions that changed).
 - the loss's per-chunk math (`train.compile`, CUDA only: there it is memory-bound passes over
@@ -13,8 +15,9 @@ Owns every torch.compile of training and benchmarks, decided from the config and
 - the target's kept decoder layers (`target.compile`): each layer's forward only, so the
   hooks that tap its output run around it, eagerly; default shape handling, every bucket's
   shape seen during warm-up.
-Bucketed batches, packed rows of one length and power-of-two anchor counts keep the shapes to a
-handful, and the recompile limit is raised so that a long run never falls back to eager code
+Also the float8 swap of the drafter's linear layers (train.fp8, `fp8_linear_layers`), which must
+precede their compilation. Bucketed batches, packed rows of one length and bucketed anchor counts
+keep the shapes to a handful, and the recompile limit is raised so that a long run never falls back to eager code
 late (eager flex attention would materialise the score matrix).
 """
 
@@ -35,13 +38,17 @@ class Compilation:
     drafter_layers: bool
     loss_chunks: bool
     target_layers: bool
+    flex_options: tuple = ()
+    """The flex kernels' options as sorted (name, value) pairs (`flex_kernel_options`)."""
 
     @classmethod
-    def decide(cls, cfg, device: torch.device, attention: str) -> "Compilation":
-        """From the config; `attention` is the drafter's resolved backend (flex | sdpa)."""
+    def decide(cls, cfg, device: torch.device, attention: str, head_dim: int | None = None) -> "Compilation":
+        """From the config; `attention` is the drafter's resolved backend (flex | sdpa),
+        `head_dim` the drafter's (for the flex kernels' default tiles)."""
         cuda = device.type == "cuda"
         return cls(flex_attention=cuda and attention == "flex", drafter_layers=cfg.train.compile,
-                   loss_chunks=cuda and cfg.train.compile, target_layers=cfg.target.compile)
+                   loss_chunks=cuda and cfg.train.compile, target_layers=cfg.target.compile,
+                   flex_options=tuple(sorted(flex_kernel_options(cfg.train.flex_kernel_options, head_dim).items())))
 
     def apply(self, *, drafter=None, target=None) -> None:
         """Compile what this plan says of the parts a rank holds (None: a part it lacks). The
@@ -49,11 +56,25 @@ class Compilation:
         from dflash_train.target import Target
 
         if self.flex_attention and drafter is not None:
-            compile_flex_attention()
+            compile_flex_attention(dict(self.flex_options))
         if self.drafter_layers and drafter is not None:
             compile_drafter_layers(drafter)
         if self.target_layers and isinstance(target, Target):  # stand-ins without layers: nothing to compile
             compile_target_layers(target)
+
+
+SMALL_HEAD_FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
+"""The forward tiles for head dims <= 64: on one H200, SmolLM2's shape (head dim 64, the
+`smollm2` bench) ran flex attention's forward 2.8x faster than with torch's choice, and the
+whole step 1.30x (docs/PERFORMANCE.md)."""
+
+
+def flex_kernel_options(configured: dict | None, head_dim: int | None) -> dict:
+    """train.flex_kernel_options resolved: as given, or by default (None) the small-head tiles
+    for head dims <= 64 and torch's choice otherwise."""
+    if configured is not None:
+        return dict(configured)
+    return dict(SMALL_HEAD_FLEX_OPTIONS) if head_dim is not None and head_dim <= 64 else {}
 
 
 def _raise_recompile_limit() -> None:
@@ -62,10 +83,13 @@ def _raise_recompile_limit() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
-def compile_flex_attention() -> None:
+def compile_flex_attention(kernel_options: dict | None = None) -> None:
     """Route the drafter's flex attention through one compiled kernel (drafter.py imports
-    nothing from this package: it is copied into every export, so it is handed the kernel)."""
+    nothing from this package: it is copied into every export, so it is handed the kernel),
+    with `kernel_options` (train.flex_kernel_options) when given."""
     global _flex
+    import functools
+
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train import drafter
@@ -73,7 +97,41 @@ def compile_flex_attention() -> None:
     _raise_recompile_limit()
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=False)
-    drafter.flex_kernel = _flex
+    drafter.flex_kernel = functools.partial(_flex, kernel_options=dict(kernel_options)) if kernel_options else _flex
+
+
+def fp8_linear_layers(drafter, recipe: str) -> list[str]:
+    """train.fp8: swap the drafter's linear layers for torchao's Float8Linear (`recipe`: one of
+    torchao's recipe names, "tensorwise", "rowwise" or "rowwise_with_gw_hp"),
+    in place, before they are compiled. The parameters stay the same objects (the optimizer,
+    checkpoints and exports see the same weights under the same names); a layer whose sizes
+    are not multiples of 16 (float8 matrix products need them) keeps its bf16 product.
+    Returns the names of the converted layers."""
+    import logging
+
+    # torchao reports, as warnings, native extensions it cannot load (float8 training needs
+    # none) and, through torch, the deprecation of how it registers its enums.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        quiet[1].setLevel(levels[1])
+
+    converted: list[str] = []
+
+    def eligible(module: torch.nn.Module, name: str) -> bool:
+        ok = (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+              and module.out_features % 16 == 0)
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(drafter, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=eligible)
+    return converted
 
 
 def compile_drafter_layers(drafter) -> None:

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -26,6 +26,9 @@ QWEN_CODER_TARGET = "bundled:qwen2.5-coder-0.5b-instruct"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
+# flex_attention kernel options train.flex_kernel_options may set.
+FLEX_KERNEL_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+                       "num_warps", "num_stages")
 
 
 @dataclass
@@ -158,9 +161,28 @@ class TrainSection:
     compile: bool = False
     """torch.compile the drafter layers and, on CUDA, the lm_head loss's per-chunk math."""
     anchor_multiple: int = 64
-    """Anchor (block) counts per packed row are padded up to this times a power of two, and
-    packed rows to data.token_budget tokens: a handful of shapes to compile, never a new one
-    late in a run."""
+    """Anchor (block) counts per packed row are padded up to a multiple of this (then to the
+    buckets of `anchor_buckets_per_doubling`), and packed rows to data.token_budget tokens: a
+    handful of shapes to compile, never a new one late in a run."""
+    anchor_buckets_per_doubling: int = 1
+    """Anchor counts (in multiples of anchor_multiple) are padded to the next of this many
+    evenly spaced sizes per doubling: 1 = powers of two (padding blocks up to half of a row's
+    blocks), 4 = at most a fifth, for up to 4 times as many compiled shapes. A power of two.
+    Padding blocks cost the drafter's layers a full row each (the loss skips them)."""
+    fp8: Optional[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]] = None
+    """Float8 matrix products in the drafter's linear layers (fc and every layer's projections),
+    by torchao's float8 training recipe of that name: one scale per tensor ("tensorwise"), per
+    row ("rowwise"), or per row with the weight gradient's product kept in bf16
+    ("rowwise_with_gw_hp"). The master weights, the optimizer, the target and the lm_head stay
+    as they are. CUDA GPUs of compute capability 8.9 or newer; the `fp8` extra. null (the
+    default): off. docs/PERFORMANCE.md has what each recipe measured."""
+    flex_kernel_options: Optional[dict[str, Union[int, bool]]] = None
+    """Options of the drafter's flex attention kernels on CUDA (flex_attention's
+    `kernel_options`): forward tile sizes BLOCK_M / BLOCK_N, backward BLOCK_M1 / BLOCK_N1 /
+    BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages.
+    null (default): 64 x 64 forward tiles for drafters of head dim 64 or less (measured 3x
+    faster than torch's choice on SmolLM2's shape), torch's choice otherwise; {}: always
+    torch's choice. docs/PERFORMANCE.md has the measurements."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     max_consecutive_batch_failures: int = 5
@@ -343,6 +365,8 @@ def _type_name(tp) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of names to {_type_name(typing.get_args(tp)[1])}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -371,6 +395,12 @@ def _convert(value: Any, tp, path: str, problems: list[str], where) -> Any:
         if value not in typing.get_args(tp):
             problems.append(f"{where(path)}: must be one of {_type_name(tp)}, got {value!r}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{where(path)}: expected {_type_name(tp)}, got {value!r}")
+            return None
+        _, item = typing.get_args(tp)
+        return {str(k): _convert(v, item, f"{path}.{k}", problems, where) for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             problems.append(f"{where(path)}: expected {_type_name(tp)}, got {value!r}")
@@ -544,6 +574,17 @@ def validate(cfg: Config) -> list[str]:
     positive("train.max_time_s", cfg.train.max_time_s, allow_none=True)
     positive("train.grad_accum", cfg.train.grad_accum)
     positive("train.anchor_multiple", cfg.train.anchor_multiple)
+    for key, value in (cfg.train.flex_kernel_options or {}).items():
+        if key not in FLEX_KERNEL_OPTIONS:
+            p.append(f"train.flex_kernel_options.{key}: unknown option (known: {', '.join(FLEX_KERNEL_OPTIONS)})")
+        elif key.startswith("BLOCK_") and (not isinstance(value, int) or value < 16 or 128 % value):
+            p.append(f"train.flex_kernel_options.{key} must divide the BlockMask's 128-token tiles "
+                     f"(16, 32, 64 or 128), got {value!r}")
+    if cfg.train.fp8 is not None and importlib.util.find_spec("torchao") is None:
+        p.append(f"train.fp8={cfg.train.fp8} but the torchao package is not installed: pip install 'dflash-train[fp8]'")
+    s = cfg.train.anchor_buckets_per_doubling
+    if isinstance(s, int) and (s < 1 or s & (s - 1)):
+        p.append(f"train.anchor_buckets_per_doubling must be a power of two (1, 2, 4, 8, ...), got {s}")
     positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
     positive("train.max_consecutive_batch_failures", cfg.train.max_consecutive_batch_failures)
     positive("checkpoint.every", cfg.checkpoint.every)

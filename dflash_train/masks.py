@@ -78,17 +78,20 @@ def sample_anchors(
     num_anchors: int,
     generator: torch.Generator | None = None,
     pad_to_multiple: int = 1,
-    pow2_buckets: bool = False,
-) -> torch.Tensor:
+    buckets_per_doubling: int = 0,
+    return_count: bool = False,
+):
     """Sample up to `num_anchors` anchors per document, uniformly without replacement, among
     supervised positions whose next position is supervised and in the same document.
 
     Sampling is per document (never per row), so short documents packed next to long ones
     keep their share. Returns sorted packed positions [N]; with `pad_to_multiple` > 1 the
     list is padded with -1 (blocks that see nothing but themselves and carry no loss) to a
-    multiple of it; with `pow2_buckets` to `pad_to_multiple` times a power of two, which keeps
-    the set of shapes the drafter and the mask are compiled for to a handful. A row with no
-    valid anchor returns padding blocks only.
+    multiple of it; with `buckets_per_doubling` s >= 1 further up to the next of s sizes per
+    doubling (`padded_anchor_count`), which keeps the set of shapes the drafter and the mask are
+    compiled for to a handful. The real anchors come first, the padding after them. A row with
+    no valid anchor returns padding blocks only. With `return_count`: (anchors, the number of
+    real ones, a host int).
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
@@ -112,20 +115,25 @@ def sample_anchors(
     # A row without any valid anchor still yields one (padding) block, so every step has a
     # well-formed, if lossless, drafter forward instead of a zero-length attention.
     n = anchors_N.numel()
-    pad = padded_anchor_count(n, pad_to_multiple, pow2_buckets) - n
+    pad = padded_anchor_count(n, pad_to_multiple, buckets_per_doubling) - n
     if pad:
         anchors_N = torch.cat([anchors_N, anchors_N.new_full((pad,), -1)])
-    return anchors_N
+    return (anchors_N, n) if return_count else anchors_N
 
 
-def padded_anchor_count(n: int, multiple: int, pow2_buckets: bool) -> int:
-    """How many anchors `n` are padded to: at least one block, a multiple of `multiple`, and
-    with `pow2_buckets` that multiple times a power of two (a bounded set of shapes)."""
+def padded_anchor_count(n: int, multiple: int, buckets_per_doubling: int = 0) -> int:
+    """How many anchors `n` are padded to: at least one block and a multiple of `multiple`
+    (m multiples); with `buckets_per_doubling` s >= 1, m is further raised to the next of s
+    evenly spaced sizes per doubling: for 2^k < m <= 2^(k+1), a multiple of 2^k / s (s a power
+    of two; sizes up to s multiples are kept as they are). s = 1 gives powers of two (up to
+    half of the blocks wasted); s = 4 wastes at most a fifth for 4 times as many shapes."""
     multiple = max(1, multiple)
-    target = max(multiple, -(-n // multiple) * multiple)
-    if pow2_buckets:
-        target = multiple * (1 << max(0, math.ceil(math.log2(target / multiple))))
-    return target
+    m = max(1, -(-n // multiple))
+    s = int(buckets_per_doubling)
+    if s >= 1 and m > s:
+        step = max(1, (1 << (m - 1).bit_length()) // (2 * s))  # 2^k / s with 2^k < m <= 2^(k+1)
+        m = -(-m // step) * step
+    return multiple * m
 
 
 @dataclass

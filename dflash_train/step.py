@@ -117,9 +117,11 @@ class DrafterStep:
             return None
         self.timer.mark("mask")
         features_TF = context_features(s, self.noise)
-        anchors = sample_anchors(s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
-                                 step_generator(c.train.seed, s.index, ANCHOR_STREAM, device=self.device),
-                                 pad_to_multiple=c.train.anchor_multiple, pow2_buckets=True)
+        anchors, num_real = sample_anchors(
+            s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
+            step_generator(c.train.seed, s.index, ANCHOR_STREAM, device=self.device),
+            pad_to_multiple=c.train.anchor_multiple, buckets_per_doubling=c.train.anchor_buckets_per_doubling,
+            return_count=True)
         d = self.drafter
         layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, d.block_size)
         masks = build_attention_masks(layout, d.layer_types, d.config.sliding_window, self.attention)
@@ -128,12 +130,18 @@ class DrafterStep:
         with self.autocast:
             hidden = d(features_TF[None], block_emb[None], layout.position_ids(), attention_mask=masks)[0]
         lm_head, o = self.heads.lm_head_weight, c.objective
+        # The loss reads the real blocks' rows only (rounded up to whole lm_head chunks, so the
+        # compiled chunk keeps one shape): the padding blocks after them carry no target, and
+        # their rows would add nothing but lm_head work (up to half of a row's).
+        chunk = max(1, o.lm_head_chunk_rows)
+        M = min(hidden.shape[0], -(-max(1, num_real) * d.block_size // chunk) * chunk)
         target_hidden = None
         if o.labels == "distill":
             assert s.target_hidden_TH is not None, "labels=distill: the shipment carries the target's final state"
-            target_hidden = layout.rows(s.target_hidden_TH)
-        out = block_loss(hidden.to(lm_head.dtype), lm_head, layout.labels(s.labels_T), layout.valid_NB.flatten(),
-                         d.block_size, gamma=o.gamma, chunk_rows=o.lm_head_chunk_rows, compile=self.compile_loss,
+            target_hidden = layout.rows(s.target_hidden_TH)[:M]
+        out = block_loss(hidden[:M].to(lm_head.dtype), lm_head, layout.labels(s.labels_T)[:M],
+                         layout.valid_NB.flatten()[:M], d.block_size, gamma=o.gamma,
+                         chunk_rows=o.lm_head_chunk_rows, compile=self.compile_loss,
                          target_hidden_MH=target_hidden, weighting=o.weighting, dpace_alpha=o.dpace_alpha)
         out.loss_sum = self.faults.poison_loss(s.index // self.micro_per_step + 1, out.loss_sum)
         self.acc.add_loss(out)

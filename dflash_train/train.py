@@ -275,7 +275,7 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     M = assign.micro_per_step
     total_steps = cfg.train.max_steps or cfg.train.epochs * max(1, plan.num_batches // M)
     attention = cfg.train.attention if cfg.train.attention != "auto" else "flex" if device.type == "cuda" else "sdpa"
-    compilation = Compilation.decide(cfg, device, attention)
+    compilation = Compilation.decide(cfg, device, attention, head_dim=drafter.config.head_dim)
     faults, timer = Faults(cfg.faults, dist.rank), StageTimer(device)
     noise = FeatureNoise(cfg.objective.noise, cfg.objective.noise_std, cfg.train.seed, device)
     target = producer = step = None
@@ -287,6 +287,11 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
                             pad_to=cfg.data.token_budget, micro_per_step=M, faults=faults, timer=timer, log=log_any)
     if dist.is_drafter:
         drafter = drafter.to(device, torch.float32).train()
+        if cfg.train.fp8 is not None:
+            from dflash_train.compilation import fp8_linear_layers
+
+            converted = fp8_linear_layers(drafter, cfg.train.fp8)
+            lead_log(f"train.fp8={cfg.train.fp8}: float8 matrix products in {len(converted)} linear layers of the drafter")
         step = DrafterStep(cfg, drafter, _heads(cfg, device, target, build_target, build_heads), dist=dist,
                            device=device, attention=attention, compile_loss=compilation.loss_chunks, noise=noise,
                            micro_per_step=M, total_steps=total_steps, faults=faults,

@@ -105,7 +105,7 @@ def _padded(anchors_G: torch.Tensor, size: int, multiple: int) -> torch.Tensor:
     shapes training's anchor padding gives compiled code."""
     n = anchors_G.numel()
     if n < size:
-        size = min(size, padded_anchor_count(n, multiple, pow2_buckets=True))
+        size = min(size, padded_anchor_count(n, multiple, buckets_per_doubling=1))
     return torch.cat([anchors_G, anchors_G.new_full((size - n,), -1)])
 
 

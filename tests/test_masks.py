@@ -12,6 +12,7 @@ from dflash_train.masks import (
     document_ids,
     flex_block_mask,
     layout_block_mask,
+    padded_anchor_count,
     sample_anchors,
     step_generator,
 )
@@ -112,8 +113,30 @@ def _varied_layouts(num_cases):
         lengths, loss_mask = random_packed_row(gen, 1 + case % 5, max_len=40, pad=case % 7)
         B = (4, 3, 5, 16)[case % 4]
         anchors = sample_anchors(loss_mask, lengths, num_anchors=5, generator=gen,
-                                 pad_to_multiple=1 + case % 3, pow2_buckets=case % 2 == 1)
+                                 pad_to_multiple=1 + case % 3, buckets_per_doubling=(0, 1, 4)[case % 3])
         yield build_layout(anchors, loss_mask, lengths, B)
+
+
+def test_padded_anchor_counts_by_buckets_per_doubling():
+    """Padded counts are >= n and a multiple of `multiple`; s = 1 gives multiple x a power of
+    two (the old rule); s per doubling gives at most s sizes in each (2^k, 2^(k+1)] multiples
+    and wastes less than 1/s of the padded count beyond the multiple's own rounding."""
+    for multiple in (1, 8, 64):
+        for s in (0, 1, 2, 4, 8):
+            sizes_by_octave: dict[int, set[int]] = {}
+            for n in range(0, 5000, 7):
+                got = padded_anchor_count(n, multiple, s)
+                m = max(1, -(-n // multiple))
+                assert got % multiple == 0 and got >= max(n, multiple)
+                if s == 0:
+                    assert got == multiple * m
+                elif s == 1:
+                    assert got == multiple * (1 << (m - 1).bit_length())
+                if s >= 1 and m > s:
+                    assert (got - multiple * m) < got / s, (n, multiple, s, got)
+                    sizes_by_octave.setdefault((m - 1).bit_length(), set()).add(got)
+            assert all(len(v) <= max(1, s) for v in sizes_by_octave.values()), (multiple, s)
+    assert padded_anchor_count(5780, 64, 1) == 8192 and padded_anchor_count(5780, 64, 4) == 6144
 
 
 def _expand(tiles_QK, tile, Q, KV):
@@ -158,7 +181,7 @@ def test_layout_block_mask_tiles_at_training_size():
     lengths = torch.tensor([700, 37, 1200, 300])
     T = int(lengths.sum()) + 51
     loss_mask = torch.rand(T, generator=gen) < 0.7
-    anchors = sample_anchors(loss_mask, lengths, 40, generator=gen, pad_to_multiple=16, pow2_buckets=True)
+    anchors = sample_anchors(loss_mask, lengths, 40, generator=gen, pad_to_multiple=16, buckets_per_doubling=1)
     layout = build_layout(anchors, loss_mask, lengths, 16)
     Q = layout.num_blocks * 16
     KV = T + Q
@@ -267,7 +290,7 @@ def test_anchor_counts_fall_in_power_of_two_buckets():
     seen = set()
     for case in range(30):
         lengths, loss_mask = random_packed_row(gen, 1 + case % 6, max_len=60)
-        anchors = sample_anchors(loss_mask, lengths, 20, step_generator(0, case), pad_to_multiple=4, pow2_buckets=True)
+        anchors = sample_anchors(loss_mask, lengths, 20, step_generator(0, case), pad_to_multiple=4, buckets_per_doubling=1)
         n = anchors.numel()
         real = int((anchors >= 0).sum())
         assert n in (4, 8, 16, 32, 64, 128) and (n == 4 or real > n // 2), (n, real)

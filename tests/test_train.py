@@ -191,6 +191,38 @@ def test_compiled_drafter_layers_match_eager(reference_run, tmp_path):
         assert compiled[step] == pytest.approx(eager[step], rel=1e-3), step
 
 
+def test_finer_anchor_buckets_train_the_same_run(reference_run, tmp_path):
+    """train.anchor_buckets_per_doubling=4 pads each row's blocks to other counts than powers
+    of two; padding blocks see only themselves and carry no loss (and the loss reads only the
+    real blocks' rows), so the run's losses are the reference's up to float rounding."""
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=20",
+                     "train.anchor_multiple=1", "train.anchor_buckets_per_doubling=4"]) == 0
+    finer, pow2 = losses(tmp_path), losses(reference_run)
+    assert finer.keys() == pow2.keys()
+    for step in pow2:
+        assert finer[step] == pytest.approx(pow2[step], rel=1e-4), step
+
+
+def test_fp8_drafter_trains_close_to_full_precision_and_exports_the_same_weights(reference_run, tmp_path, capsys):
+    """train.fp8=rowwise: every linear layer of the drafter runs its products in float8 (torchao,
+    rowwise scales). 20 steps stay within a few percent of the reference's losses, and the
+    export holds the same tensors under the same names, which transformers loads."""
+    from safetensors import safe_open
+
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=20",
+                     "train.fp8=rowwise"]) == 0
+    assert "train.fp8=rowwise: float8 matrix products in 8 linear layers of the drafter" in capsys.readouterr().out
+    fp8, full = losses(tmp_path), losses(reference_run)
+    assert fp8.keys() == full.keys()
+    for step in full:
+        assert fp8[step] == pytest.approx(full[step], rel=0.05), step
+    assert fp8 != full  # the products did change
+    with safe_open(tmp_path / "drafter" / "model.safetensors", "pt") as a, \
+            safe_open(reference_run / "drafter" / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(a.get_tensor(k).dtype == b.get_tensor(k).dtype for k in a.keys())
+
+
 def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(tmp_path, capsys):
     """A 3 s pause after step 3 puts the run past train.max_time_s=1: it ends after step 4 at
     the latest (earlier on a slow machine), saves, exports and says why; the LR schedule is
