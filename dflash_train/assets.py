@@ -86,7 +86,8 @@ def smollm2_dir() -> Path:
     _need_gguf("SmolLM2")
 
     def build(tmp: Path) -> None:
-        model, tokenizer = _from_gguf(gguf)
+        with one_gguf_parse():
+            model, tokenizer = _from_gguf(gguf)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         save_model_folder(model, tokenizer, tmp)
@@ -98,11 +99,38 @@ def _need_gguf(name: str) -> None:
         raise InputError(f"converting the bundled {name} GGUF needs the `gguf` package: pip install gguf==0.19.0")
 
 
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """Inside, every `gguf.GGUFReader(path)` of one file is the same reader. transformers
+    builds a new reader for a GGUF's config, its tokenizer and its weights (for the model and
+    again for the tokenizer), and each one parses the whole metadata, vocabulary and merges
+    included, in Python: 17.6 s per parse for Qwen2.5-Coder's 151,936 tokens on this project's
+    CPU, 88 of the conversion's 138 s in five parses. A reader only reads its memory map, so
+    sharing it changes nothing but the time."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode: str = "r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _from_gguf(gguf: Path):
     """(model, tokenizer) of a GGUF file as a plain float model: the loader dequantises the
     weights but marks the model as quantised, which is undone here; and the tokenizer's end of
     sequence is the model config's eos_token_id, which ends a turn in its chat template (the
-    GGUF metadata names another token: <|im_start|> for SmolLM2, <|endoftext|> for Qwen)."""
+    GGUF metadata names another token: <|im_start|> for SmolLM2, <|endoftext|> for Qwen). Call
+    it inside `one_gguf_parse`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -175,13 +203,14 @@ def qwen2_5_coder_dir() -> Path:
             for part in parts:
                 with open(part, "rb") as source:
                     shutil.copyfileobj(source, handle, 1 << 24)
-        model, tokenizer = _from_gguf(gguf_file)
-        with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
-            model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
-        model.config.tie_word_embeddings = True
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-        save_model_folder(model, tokenizer, tmp)
-        _tokenizer_from_gguf_types(tmp, gguf_file)
+        with one_gguf_parse():
+            model, tokenizer = _from_gguf(gguf_file)
+            with torch.no_grad():  # one matrix again: the lm_head's 8-bit copy
+                model.get_input_embeddings().weight.copy_(model.get_output_embeddings().weight)
+            model.config.tie_word_embeddings = True
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
+            save_model_folder(model, tokenizer, tmp)
+            _tokenizer_from_gguf_types(tmp, gguf_file)
         gguf_file.unlink()
     return build_model_folder(out, build)
 

