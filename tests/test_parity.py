@@ -111,7 +111,7 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     loss_mask = torch.arange(L) >= PROMPT_LEN
     batch = Batch(ids[None], loss_mask[None], torch.tensor([L]), [0], 0, 0)
     anchors = torch.tensor(proposer.anchors)
-    monkeypatch.setattr(step_module, "sample_anchors", lambda *a, **k: anchors)
+    monkeypatch.setattr(step_module, "sample_anchors", lambda *a, **k: (anchors, anchors.numel()))
     trained: list[torch.Tensor] = []
     handle = _capture(drafter.layers[-1], trained)
     with torch.no_grad():
