@@ -130,11 +130,12 @@ class DrafterStep:
         with self.autocast:
             hidden = d(features_TF[None], block_emb[None], layout.position_ids(), attention_mask=masks)[0]
         lm_head, o = self.heads.lm_head_weight, c.objective
-        # The loss reads the real blocks' rows only (rounded up to whole lm_head chunks, so the
-        # compiled chunk keeps one shape): the padding blocks after them carry no target, and
-        # their rows would add nothing but lm_head work (up to half of a row's).
-        chunk = max(1, o.lm_head_chunk_rows)
-        M = min(hidden.shape[0], -(-max(1, num_real) * d.block_size // chunk) * chunk)
+        # The loss reads the real blocks' rows only: the padding blocks after them carry no
+        # target, and their rows would add nothing but lm_head work (up to half of a row's).
+        # At least one lm_head chunk's worth of whole blocks (or all rows), so that the compiled
+        # chunk keeps one shape (block_loss pads a last, shorter chunk to it).
+        B = d.block_size
+        M = min(hidden.shape[0], max(max(1, num_real) * B, -(-max(1, o.lm_head_chunk_rows) // B) * B))
         target_hidden = None
         if o.labels == "distill":
             assert s.target_hidden_TH is not None, "labels=distill: the shipment carries the target's final state"
