@@ -17,8 +17,8 @@ Owns every torch.compile of training and benchmarks, decided from the config and
   shape seen during warm-up.
 Also the float8 swap of the drafter's linear layers (train.fp8, `fp8_linear_layers`), which must
 precede their compilation. Bucketed batches, packed rows of one length and bucketed anchor counts
-keep the shapes to a handful, and the recompile limit is raised so that a long run never falls back to eager code
-late (eager flex attention would materialise the score matrix).
+keep the shapes to a handful, and the recompile limit is raised so that a long run never falls
+back to eager code late (eager flex attention would materialise the score matrix).
 """
 
 from __future__ import annotations

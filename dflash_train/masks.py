@@ -19,7 +19,6 @@ J = key tiles.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
