@@ -11,8 +11,9 @@ of "how many proposals would be accepted" used by training metrics, evaluation a
 The loss comes back as (weighted sum, weight sum): dividing the totals over micro-batches and
 ranks gives the exact mean, never a mean of means.
 
-Shape legend: N blocks, B block size, K = B - 1 predicted positions, M = N*B rows,
-C rows of one chunk, H hidden size, V vocabulary.
+Shape legend: N blocks, B block size, K = B - 1 predicted positions, M = N*B rows, R = N*K
+scored rows (a block's anchor row is never scored), C rows of one chunk, H hidden size, V
+vocabulary.
 """
 
 from __future__ import annotations
@@ -235,7 +236,9 @@ def block_loss(
     """Weighted loss of draft blocks plus the statistics of what would be accepted.
 
     Rows are N blocks of `block_size` (block-major). `valid_M` marks rows with a supervised
-    target (k >= 1, inside the anchor's document). Labels of invalid rows are ignored.
+    target (k >= 1, inside the anchor's document). Labels of invalid rows are ignored. A block's
+    first row (k = 0, the anchor, which the drafter is given) is never scored: the lm_head runs
+    over the R = N*K other rows only.
     `target_hidden_MH`: the target's final hidden state that predicts each row's token
     (distillation): the row loss is KL(target || drafter), and accuracy and accepted runs are
     counted against the target's greedy token instead of `labels_M`. Otherwise the row loss
@@ -245,36 +248,46 @@ def block_loss(
     each row by a detached function of the drafter's probability of its label and normalise by
     the number of supervised rows, so the weights keep their absolute size.
     `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
-    chunks are min(chunk_rows, rows) long, the last one padded).
+    chunks are min(chunk_rows, R) long, the last one padded).
     """
     M = hidden_MH.shape[0]
     assert M % block_size == 0, "rows must be whole blocks"
     assert not lm_head_weight_VH.requires_grad, "the target's lm_head is frozen"
     if weighting not in WEIGHTINGS:
         raise ValueError(f"objective.weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
-    N = M // block_size
+    N, K = M // block_size, block_size - 1
     device = hidden_MH.device
-    valid_NB = valid_M.view(N, block_size).to(torch.bool)
-    labels_M = torch.where(valid_M.to(torch.bool), labels_M, torch.zeros_like(labels_M))
-    chunk_rows = max(1, min(int(chunk_rows), M)) if compile else max(1, int(chunk_rows))
+    # Position k = 0 of a block is its anchor, given to the drafter and never scored: only the
+    # K = B - 1 rows after it go through the lm_head (1/B of its work saved).
+    valid_NK = valid_M.reshape(N, block_size)[:, 1:].to(torch.bool)
+
+    def rows_NK(t: torch.Tensor) -> torch.Tensor:  # [M, ...] -> the scored rows [N*K, ...]
+        return t.reshape(N, block_size, *t.shape[1:])[:, 1:].reshape(N * K, *t.shape[1:])
+
+    labels_R = rows_NK(labels_M)
+    labels_R = torch.where(valid_NK.flatten(), labels_R, torch.zeros_like(labels_R))
+    R = N * K
+    chunk_rows = max(1, min(int(chunk_rows), R)) if compile else max(1, int(chunk_rows))
     if target_hidden_MH is not None:
         assert target_hidden_MH.shape == hidden_MH.shape, "one target hidden state per row"
-        target_hidden_MH = target_hidden_MH.to(lm_head_weight_VH.dtype)
-    row_M, preds_M, scored_M, logq_M = _ChunkedLinearLoss.apply(
-        hidden_MH, lm_head_weight_VH, labels_M, target_hidden_MH, chunk_rows, compile
+        target_hidden_MH = rows_NK(target_hidden_MH.to(lm_head_weight_VH.dtype))
+    row_R, preds_R, scored_R, logq_R = _ChunkedLinearLoss.apply(
+        rows_NK(hidden_MH), lm_head_weight_VH, labels_R, target_hidden_MH, chunk_rows, compile
     )
     with torch.no_grad():
         if weighting == "decay":
-            row_w_M = (position_weights(block_size, gamma, device)[None, :] * valid_NB).flatten()
-            weight_sum = row_w_M.sum()
+            row_w_R = (position_weights(block_size, gamma, device)[None, 1:] * valid_NK).flatten()
+            weight_sum = row_w_R.sum()
         else:
-            row_w_M = dpace_weights(logq_M.exp().view(N, block_size), valid_NB, dpace_alpha, weighting).flatten()
-            weight_sum = valid_NB.sum().to(torch.float32)
+            ones_N1 = torch.ones(N, 1, device=device, dtype=torch.float32)
+            confidence_NB = torch.cat([ones_N1, logq_R.exp().view(N, K)], dim=1)
+            valid_NB = torch.cat([torch.zeros_like(valid_NK[:, :1]), valid_NK], dim=1)
+            row_w_R = dpace_weights(confidence_NB, valid_NB, dpace_alpha, weighting)[:, 1:].flatten()
+            weight_sum = valid_NK.sum().to(torch.float32)
     # Rows without a target have weight 0; where() also keeps their finite junk out of the sum.
-    loss_sum = torch.where(row_w_M > 0, row_w_M * row_M, torch.zeros_like(row_M)).sum()
+    loss_sum = torch.where(row_w_R > 0, row_w_R * row_R, torch.zeros_like(row_R)).sum()
     with torch.no_grad():
-        correct_NB = (preds_M == scored_M).view(N, block_size) & valid_NB
-        correct_NK, valid_NK = correct_NB[:, 1:], valid_NB[:, 1:]
+        correct_NK = (preds_R == scored_R).view(N, K) & valid_NK
         run_N = accepted_run_length(correct_NK)
         counted_N = valid_NK[:, 0]
         # One-hot sum instead of bincount of a masked selection: no data-dependent shape, so

@@ -132,10 +132,12 @@ class DrafterStep:
         lm_head, o = self.heads.lm_head_weight, c.objective
         # The loss reads the real blocks' rows only: the padding blocks after them carry no
         # target, and their rows would add nothing but lm_head work (up to half of a row's).
-        # At least one lm_head chunk's worth of whole blocks (or all rows), so that the compiled
-        # chunk keeps one shape (block_loss pads a last, shorter chunk to it).
+        # At least one lm_head chunk's worth of scored rows (B - 1 per block: block_loss skips
+        # the anchor's), or all rows, so that the compiled chunk keeps one shape (block_loss
+        # pads a last, shorter chunk to it).
         B = d.block_size
-        M = min(hidden.shape[0], max(max(1, num_real) * B, -(-max(1, o.lm_head_chunk_rows) // B) * B))
+        min_blocks = -(-max(1, o.lm_head_chunk_rows) // (B - 1))
+        M = min(hidden.shape[0], max(max(1, num_real), min_blocks) * B)
         target_hidden = None
         if o.labels == "distill":
             assert s.target_hidden_TH is not None, "labels=distill: the shipment carries the target's final state"
