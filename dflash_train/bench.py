@@ -239,8 +239,23 @@ def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
                  f"{busy / 1e3:.1f} ms ({busy / (span[1] - span[0]):.1%})",
                  f"{'share':>7} {'ms':>10} {'calls':>7}  kernel"]
         lines += [f"{v[0] / device_total:>7.1%} {v[0] / 1e3:>10.2f} {v[1]:>7}  {name[:160]}" for name, v in ranked[:40]]
+        lines += host_summary(prof, steps, len(device_events))
         summary_path.write_text("\n".join(lines) + "\n")
     return max(0.0, 1.0 - busy / max(span[1] - span[0], 1e-9))
+
+
+def host_summary(prof, steps: int, device_events: int, top: int = 30) -> list[str]:
+    """The host's side of a profile: device events (kernels and copies) per step, and the
+    operations and runtime calls ranked by the host time spent in them alone (self time): where
+    a step bound by the host spends it (launches, synchronisations, guards of compiled code)."""
+    averages = sorted((e for e in prof.key_averages() if e.key != "bench_window"), key=lambda e: -e.self_cpu_time_total)
+    host_total = sum(e.self_cpu_time_total for e in averages) or 1.0
+    lines = ["", f"host: {device_events / steps:.0f} device events per step; operations by host self time "
+             f"({host_total / 1e3 / steps:.1f} ms per step in all)",
+             f"{'share':>7} {'ms/step':>10} {'calls/step':>10}  operation"]
+    lines += [f"{e.self_cpu_time_total / host_total:>7.1%} {e.self_cpu_time_total / 1e3 / steps:>10.2f} "
+              f"{e.count / steps:>10.1f}  {e.key[:160]}" for e in averages[:top]]
+    return lines
 
 
 # --------------------------------------------------------------------------- the run

@@ -169,6 +169,80 @@ class Target:
         return nn.functional.embedding(ids, self.embed_weight)
 
 
+class GraphedTarget:
+    """`Target.capture` replayed from CUDA graphs: one graph per bucket shape of the batch plan
+    (`target.cuda_graphs`). For a small target the forward's cost is the host's (a launch per
+    kernel of every layer, hooks, guards of the compiled layers); a replay is one launch.
+
+    A graph is captured on the first batch of its shape (the warm-up's), after two eager runs
+    on a side stream (kernels chosen, layers compiled, workspaces allocated). A batch of a
+    bucket's length with fewer rows (a bucket's last batch) is copied into the first rows of the
+    bucket's graph input, whose other rows hold padding, and its rows of the outputs are
+    returned; other shapes run eagerly. All graphs share one memory pool: they never run at
+    once, and each keeps its own outputs alive. If a capture fails (a model whose forward
+    syncs with the host, say), that shape runs eagerly from then on and `log` says why.
+
+    The returned tensors are the graph's: the next batch of the same bucket overwrites them, so
+    the caller must consume them first (the producer packs them into a shipment, on a stream
+    that the next forward waits for). Single-device, CUDA only.
+    """
+
+    def __init__(self, target: Target, shapes: list[tuple[int, int]], log=print) -> None:
+        self.target, self.log = target, log
+        self.rows_by_length = {int(L): int(rows) for rows, L in shapes}
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}  # (rows, L, concat) -> graph, ids, outputs
+        self.eager: set[tuple[int, int, bool]] = set()  # shapes whose capture failed
+        self.pool = None
+
+    def __getattr__(self, name):  # embed, lm_head_weight, ... of the wrapped target
+        return getattr(self.target, name)
+
+    @torch.no_grad()
+    def capture(self, input_ids_bL: torch.Tensor, concat: bool = True):
+        b, L = input_ids_bL.shape
+        rows = self.rows_by_length.get(int(L))
+        key = (rows, int(L), bool(concat))
+        if rows is None or b > rows or key in self.eager:
+            return self.target.capture(input_ids_bL, concat)
+        entry = self.graphs.get(key) or self._record(key, input_ids_bL)
+        if entry is None:
+            return self.target.capture(input_ids_bL, concat)
+        graph, ids, (features, head_out) = entry
+        ids[:b].copy_(input_ids_bL)
+        ids[b:].fill_(0)
+        graph.replay()
+        if b == rows:
+            return features, head_out
+        features = [f[:b] for f in features] if isinstance(features, list) else features[:b]
+        return features, None if head_out is None else head_out[:b]
+
+    def _record(self, key: tuple[int, int, bool], like: torch.Tensor):
+        rows, L, concat = key
+        ids = torch.zeros(rows, L, dtype=like.dtype, device=like.device)
+        try:
+            side = torch.cuda.Stream(like.device)
+            side.wait_stream(torch.cuda.current_stream(like.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.target.capture(ids, concat)
+            torch.cuda.current_stream(like.device).wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.target.capture(ids, concat)
+        except RuntimeError as err:
+            self.eager.add(key)
+            taps = getattr(self.target, "taps", None)
+            if taps is not None:  # what the failed capture's hooks kept
+                taps.outputs.clear()
+            self.log(f"target.cuda_graphs: capturing the target forward for batches of shape {(rows, L)} failed "
+                     f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); that shape runs eagerly")
+            return None
+        self.graphs[key] = (graph, ids, outputs)
+        return self.graphs[key]
+
+
 def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
                 labels: str = "data") -> tuple[Target, object]:
     """Load, freeze and wrap the target (`labels`: objective.labels); returns (Target, tokenizer)."""
