@@ -41,10 +41,6 @@ class TargetSection:
     compile: bool = False
     """torch.compile each kept decoder layer of the target (norms, rope and residuals fused; one
     graph per batch shape, built during warm-up). Layer hooks stay outside the compiled code."""
-    cuda_graphs: bool = True
-    """On CUDA, replay the target forward from one CUDA graph per bucket shape, captured during
-    warm-up (target.GraphedTarget): for a small target, launching its kernels one by one costs
-    more than running them. A shape whose capture fails runs eagerly, and the log says so."""
 
 
 @dataclass
