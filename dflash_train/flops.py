@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.masks import FULL_ATTENTION, visible_pairs
+from dflash_train.masks import FULL_ATTENTION, packed_anchor_count, visible_pairs
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity), matched against torch.cuda.get_device_name.
 PEAK_BF16_FLOPS = (("H200", 989.4e12), ("H100 80GB HBM3", 989.4e12), ("A100", 312e12))
@@ -100,19 +100,6 @@ def useful_flops(work: WorkCount, target: Shape, target_layers: int, target_lm_h
         "drafter_backward": 2.0 * (layers + attention) + fc,
         "lm_head": (6.0 if distill else 4.0) * d.hidden * d.vocab * work.loss_rows,
     }
-
-
-def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int) -> int:
-    """Anchors `masks.sample_anchors` draws for a packed row (documents back to back, then
-    padding): per document, min(num_anchors, positions p with p and p + 1 supervised). What a
-    drafter rank counts from the shipment it trained on. Host only."""
-    mask = loss_mask_T.numpy().astype(bool)
-    total, start = 0, 0
-    for n in doc_lengths.tolist():
-        m = mask[start:start + n]
-        total += min(num_anchors, int((m[:-1] & m[1:]).sum()))
-        start += n
-    return total
 
 
 def wire_bytes(s) -> int:

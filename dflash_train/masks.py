@@ -1,6 +1,7 @@
 """Anchors, block layout and the one attention-mask rule of DFlash training.
 
-Owns: document ids of a packed row, per-document anchor sampling, the layout of the draft blocks
+Owns: document ids of a packed row, the anchor rule (`anchor_candidates`), its host-side count
+(`packed_anchor_count`, `anchor_count`), per-document anchor sampling, the layout of the draft blocks
 (inputs, rope positions, labels, loss weights), and the mask rule. The rule is written once, as
 a flex-attention `mask_mod` over tensors; the dense boolean mask (CPU, sdpa), the flex
 `BlockMask` (CUDA; the kernel applies the rule inside partial tiles) and the tests all evaluate
@@ -35,19 +36,22 @@ def document_ids(doc_lengths: torch.Tensor, total_len: int | None = None) -> tor
     """Document index of every packed position: `repeat_interleave` of the lengths.
 
     Positions past sum(doc_lengths) (padding up to a bucketed `total_len`) get the id
-    `len(doc_lengths)`, a document of their own that no anchor belongs to.
+    `len(doc_lengths)`, a document of their own that no anchor belongs to. With `total_len`
+    the ids are a `searchsorted` of the positions in the documents' ends (zero-length documents
+    hold no position, as with `repeat_interleave`): no host sync, since the output size is known
+    on the host. Documents holding more than `total_len` tokens raise a ValueError only when
+    `doc_lengths` is on the CPU; on another device that check (a host sync) is skipped and the
+    ids are those of the first `total_len` positions.
     """
     doc_lengths = doc_lengths.to(torch.long)
     num_docs = doc_lengths.numel()
-    ids_T = torch.repeat_interleave(
-        torch.arange(num_docs, device=doc_lengths.device, dtype=torch.long), doc_lengths
-    )
-    if total_len is not None:
-        pad = total_len - ids_T.numel()
-        if pad < 0:
-            raise ValueError(f"documents hold {ids_T.numel()} tokens, more than total_len={total_len}")
-        ids_T = torch.cat([ids_T, ids_T.new_full((pad,), num_docs)])
-    return ids_T
+    device = doc_lengths.device
+    if total_len is None:
+        return torch.repeat_interleave(torch.arange(num_docs, device=device, dtype=torch.long), doc_lengths)
+    ends = torch.cumsum(doc_lengths, 0)
+    if device.type == "cpu" and num_docs and int(ends[-1]) > total_len:
+        raise ValueError(f"documents hold {int(ends[-1])} tokens, more than total_len={total_len}")
+    return torch.searchsorted(ends, torch.arange(total_len, device=device, dtype=torch.long), right=True)
 
 
 def document_starts(doc_lengths: torch.Tensor) -> torch.Tensor:
@@ -71,6 +75,39 @@ def step_generator(seed: int, step: int, stream: int = 0, device: torch.device |
     return gen
 
 
+def anchor_candidates(sup_T: torch.Tensor, doc_T: torch.Tensor) -> torch.Tensor:
+    """The anchor rule: bool [T], True at the positions a block may be anchored at. Position p
+    is a candidate when p and p + 1 are supervised and in the same document (the last position
+    never is: it has no successor)."""
+    sup_T = sup_T.to(torch.bool)
+    valid_T = torch.zeros_like(sup_T)
+    valid_T[:-1] = sup_T[:-1] & sup_T[1:] & (doc_T[:-1] == doc_T[1:])
+    return valid_T
+
+
+def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int) -> int:
+    """The number of real anchors `sample_anchors` draws for a packed row (documents back to
+    back, then padding, which holds none): the sum over documents of min(num_anchors, the
+    document's `anchor_candidates`). Host-side (CPU tensors)."""
+    doc_lengths = doc_lengths.to(torch.long)
+    num_docs = doc_lengths.numel()
+    doc_T = document_ids(doc_lengths, loss_mask_T.numel())
+    valid_T = anchor_candidates(loss_mask_T, doc_T)
+    per_doc = torch.bincount(doc_T[valid_T], minlength=num_docs + 1)[:num_docs]
+    return int(per_doc.clamp(max=num_anchors).sum())
+
+
+def anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
+    """`packed_anchor_count` of the packed row made from a padded batch (its rows laid end to
+    end as produce.pack lays them, one document per row: row r holds lengths_b[r] tokens, its
+    mask loss_mask_bL[r, :lengths_b[r]]). Host-side, on the batch's CPU tensors, so that the
+    drafter step knows its anchor count without a host sync (`sample_anchors(count=...)`)."""
+    lengths_b = lengths_b.to(torch.long)
+    L = loss_mask_bL.shape[1]
+    real_bL = torch.arange(L)[None, :] < lengths_b[:, None]
+    return packed_anchor_count(loss_mask_bL.to(torch.bool)[real_bL], lengths_b, num_anchors)  # rows end to end
+
+
 def sample_anchors(
     loss_mask_T: torch.Tensor,
     doc_lengths: torch.Tensor,
@@ -79,9 +116,11 @@ def sample_anchors(
     pad_to_multiple: int = 1,
     buckets_per_doubling: int = 0,
     return_count: bool = False,
+    count: int | None = None,
 ):
     """Sample up to `num_anchors` anchors per document, uniformly without replacement, among
-    supervised positions whose next position is supervised and in the same document.
+    the document's `anchor_candidates` (supervised positions whose next position is supervised
+    and in the same document).
 
     Sampling is per document (never per row), so short documents packed next to long ones
     keep their share. Returns sorted packed positions [N]; with `pad_to_multiple` > 1 the
@@ -91,24 +130,35 @@ def sample_anchors(
     compiled for to a handful. The real anchors come first, the padding after them. A row with
     no valid anchor returns padding blocks only. With `return_count`: (anchors, the number of
     real ones, a host int).
+
+    `count`: the number of real anchors, known on the host (`anchor_count` of the batch the
+    row was packed from). With it nothing waits for the device (`nonzero_static` to the padded
+    size); without it the count is read off the device (a host sync). Same anchors either way.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     device = loss_mask_T.device
     T = loss_mask_T.numel()
-    doc_T = document_ids(doc_lengths.to(device), T)
-    sup_T = loss_mask_T.to(torch.bool)
-    valid_T = torch.zeros_like(sup_T)
-    valid_T[:-1] = sup_T[:-1] & sup_T[1:] & (doc_T[:-1] == doc_T[1:])
+    doc_lengths = doc_lengths.to(device)
+    doc_T = document_ids(doc_lengths, T)
+    valid_T = anchor_candidates(loss_mask_T, doc_T)
     # Random key in [0, 1) per valid position, 2 for invalid ones; sorting by doc + key/4
     # groups documents in order and shuffles each document's valid positions first.
     key_T = torch.rand(T, generator=generator, device=device, dtype=torch.float64)
     key_T = torch.where(valid_T, key_T, torch.full_like(key_T, 2.0))
     order_T = torch.argsort(doc_T.to(torch.float64) + key_T / 4.0)
-    starts = document_starts(torch.bincount(doc_T, minlength=int(doc_lengths.numel()) + 1))
+    # starts[d] for d in 0..D (D: the padding past the last document), every id doc_T holds;
+    # the documents are contiguous, so these are the starts of bincount(doc_T), with no sync.
+    starts = document_starts(doc_lengths)
     rank_T = torch.arange(T, device=device) - starts[doc_T[order_T]]
     chosen_T = torch.zeros_like(valid_T)
     chosen_T[order_T] = valid_T[order_T] & (rank_T < num_anchors)
+    if count is not None:
+        # The count is known on the host: one static shape, no host sync.
+        n = count
+        padded = padded_anchor_count(n, pad_to_multiple, buckets_per_doubling)
+        anchors_N = torch.nonzero_static(chosen_T, size=padded, fill_value=-1).flatten()
+        return (anchors_N, n) if return_count else anchors_N
     # Host sync (nonzero): the anchor count decides the drafter's shape for this step.
     anchors_N = torch.nonzero(chosen_T).flatten()
     # A row without any valid anchor still yields one (padding) block, so every step has a

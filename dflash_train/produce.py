@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.masks import NOISE_STREAM, step_generator
+from dflash_train.masks import NOISE_STREAM, anchor_count, step_generator
 
 
 def add_feature_noise(
@@ -82,6 +82,10 @@ class Shipment:
     max_seq_len: int = 0
     epoch: int = 0
     sender_wait_us: int = 0  # the producing target rank's cumulative send wait (transport.py)
+    # The number of real anchors sample_anchors will draw for this micro-batch (masks.anchor_count),
+    # known on the host so that the drafter step needs no host sync; None: unknown, it is
+    # counted on the device.
+    anchor_count: int | None = None
 
     @classmethod
     def failure(cls, index: int, batch) -> "Shipment":
@@ -204,12 +208,14 @@ class Producer:
     final hidden state)` (target.Target; benchmarks pass stand-ins). A target forward that
     raises (out of memory on an unusual shape, ...) yields a failed shipment: logged with the
     batch's shape, counted by the drafter step that consumes it. The data position moves past
-    it, so a resumed run skips it too."""
+    it, so a resumed run skips it too. With `num_anchors` (objective.num_anchors) each shipment
+    carries its anchor count, counted on the host from the batch (masks.anchor_count)."""
 
     def __init__(self, target, stream, *, device: torch.device, noise: FeatureNoise, split_fc: bool,
-                 pad_to: int, micro_per_step: int, faults, timer, log) -> None:
+                 pad_to: int, micro_per_step: int, faults, timer, log, num_anchors: int | None = None) -> None:
         self.target, self.stream, self.device = target, stream, device
         self.noise, self.split_fc, self.pad_to = noise, split_fc, pad_to
+        self.num_anchors = num_anchors
         self.micro_per_step = micro_per_step
         self.faults, self.timer, self.log = faults, timer, log
         self.packer = SidePacker(device)
@@ -225,7 +231,10 @@ class Producer:
             return Shipment.failure(index, batch)
         features, head_out = captured
         self.timer.mark("pack")
-        return self.packer(batch, index, features, head_out, self.pad_to, None if self.split_fc else self.noise)
+        shipment = self.packer(batch, index, features, head_out, self.pad_to, None if self.split_fc else self.noise)
+        if self.num_anchors is not None and not shipment.failed:
+            shipment.anchor_count = anchor_count(batch.loss_mask, batch.lengths, self.num_anchors)
+        return shipment
 
     def capture(self, index: int, batch):
         step = index // self.micro_per_step + 1  # the 1-based optimizer step that trains on it

@@ -36,7 +36,7 @@ from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer,
 from dflash_train.plot import report_run
 from dflash_train.produce import FeatureNoise, Producer
 from dflash_train.step import DrafterStep
-from dflash_train.target import GraphedTarget, Target, TargetHeads, load_target, resolve_target_path
+from dflash_train.target import TargetHeads, load_target, resolve_target_path
 from dflash_train.transport import Receiver, Sender
 
 def check_inputs(cfg: Config) -> None:
@@ -284,7 +284,8 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
         target = (build_target(drafter.target_layer_ids, labels) if build_target is not None
                   else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids, labels)[0])
         producer = Producer(target, stream, device=device, noise=noise, split_fc=cfg.topology.split_fc,
-                            pad_to=cfg.data.token_budget, micro_per_step=M, faults=faults, timer=timer, log=log_any)
+                            pad_to=cfg.data.token_budget, micro_per_step=M, faults=faults, timer=timer, log=log_any,
+                            num_anchors=cfg.objective.num_anchors)
     if dist.is_drafter:
         drafter = drafter.to(device, torch.float32).train()
         if cfg.train.fp8 is not None:
@@ -297,8 +298,6 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
                            micro_per_step=M, total_steps=total_steps, faults=faults,
                            acc=Accumulator(drafter.block_size, device), timer=timer)
     compilation.apply(drafter=step.drafter if step is not None else None, target=target)
-    if producer is not None and device.type == "cuda" and cfg.target.cuda_graphs and isinstance(target, Target):
-        producer.target = GraphedTarget(target, plan.shapes, log_any)
     control = Control(cfg.train, dist, M)
     best = BestCheckpoint() if cfg.checkpoint.keep_best and step is not None else None
     checkpoints = _checkpoint_manager(cfg, dist, DataPosition(stream, assign), step, control, faults,

@@ -1,11 +1,12 @@
 """Moving shipments (produce.py) from target ranks to drafter ranks (disaggregated mode).
 
 Owns the wire format and the two ends. A batch travels as a small int64 header (global
-micro-batch index, flags, shapes, dtype code, batch statistics, the sender's cumulative wait)
-followed by its payload tensors: the features (one [T, F] tensor, or one [T, H] tensor per tapped
-layer with split fc layers), with distillation the target's final hidden state [T, H], one int64
-[3, T] tensor (input ids, loss mask, labels) and the document lengths [num_docs]. A batch whose
-target forward failed is a header alone.
+micro-batch index, flags, shapes, dtype code, batch statistics, the sender's cumulative wait,
+the anchor count counted on the host or -1 when unknown) followed by its payload tensors: the
+features (one [T, F] tensor, or one [T, H] tensor per tapped layer with split fc layers), with
+distillation the target's final hidden state [T, H], one int64 [3, T] tensor (input ids, loss
+mask, labels) and the document lengths [num_docs]. A batch whose target forward failed is a
+header alone.
 
 `Sender` (target side) posts `isend`s and keeps every sent tensor referenced until its send has
 completed; at most `topology.queue_depth` batches per drafter are in flight, beyond that it
@@ -29,7 +30,7 @@ import torch
 from dflash_train.dist import Dist
 from dflash_train.produce import Shipment
 
-HEADER_LEN = 16
+HEADER_LEN = 17
 FAILED, SPLIT, HIDDEN = 1, 2, 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -47,6 +48,7 @@ def _header(s: Shipment, device) -> torch.Tensor:
         if hidden is not None:
             h[14], h[15] = hidden.shape[1], DTYPES.index(hidden.dtype)
     h[7:14] = [s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len, s.epoch, s.sender_wait_us]
+    h[16] = -1 if s.anchor_count is None else s.anchor_count
     return torch.tensor(h, dtype=torch.int64, device=device)
 
 
@@ -132,4 +134,4 @@ class Receiver:
         self.wait_s += time.perf_counter() - started
         features = parts if h[1] & SPLIT else parts[0]
         return Shipment(index, False, features, ints[0], ints[1].to(torch.bool), ints[2], docs,
-                        hidden[0] if hidden else None, **stats)
+                        hidden[0] if hidden else None, **stats, anchor_count=None if h[16] < 0 else h[16])

@@ -11,7 +11,7 @@ import torch
 
 from dflash_train import bench, cli, flops
 from dflash_train.config import load_config
-from dflash_train.masks import build_layout, dense_mask, sample_anchors, step_generator
+from dflash_train.masks import build_layout, dense_mask, packed_anchor_count, sample_anchors, step_generator
 
 from conftest import ROOT, random_packed_row, subprocess_env
 
@@ -158,7 +158,7 @@ def test_packed_anchor_count_equals_the_padded_batch_count():
     loss_mask = (torch.rand(rows, L, generator=gen) < 0.7) & (torch.arange(L)[None, :] < lengths[:, None])
     packed = torch.cat([loss_mask[r, : int(n)] for r, n in enumerate(lengths)] + [torch.ones(7, dtype=torch.bool)])
     for k in (1, 4, 40):  # the trailing padding (set here on purpose) belongs to no document
-        assert flops.packed_anchor_count(packed, lengths, k) == real_anchor_count(loss_mask, lengths, k)
+        assert packed_anchor_count(packed, lengths, k) == real_anchor_count(loss_mask, lengths, k)
 
 
 DIST_KEYS = REPORT_KEYS | {"world_size", "mode", "num_target_ranks", "num_drafter_ranks", "samples_per_s_per_gpu",
@@ -172,6 +172,8 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     crossed, equal to transport.py's wire format of what was trained on."""
     import subprocess
     import sys
+
+    from dflash_train.transport import HEADER_LEN
 
     steps = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
@@ -207,7 +209,7 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     # One micro-batch per step: header, fp32 features [T, taps*H] padded to the token budget,
     # int64 [3, T] ids / mask / labels, int64 document lengths (one per sample).
     T, F = 512, 2 * 64
-    per_step = 8 * 16 + 4 * T * F + 8 * 3 * T + 8 * report["samples_per_step"]
+    per_step = 8 * HEADER_LEN + 4 * T * F + 8 * 3 * T + 8 * report["samples_per_step"]
     assert report["transfer_bytes_per_step"] == pytest.approx(per_step)
     assert report["transfer_gbytes_per_s"] == pytest.approx(per_step * steps / (report["step_s"] * steps) / 1e9)
 

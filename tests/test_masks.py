@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_train.masks import (
+    anchor_count,
     build_attention_masks,
     build_layout,
     dense_mask,
@@ -296,3 +297,67 @@ def test_anchor_counts_fall_in_power_of_two_buckets():
         assert n in (4, 8, 16, 32, 64, 128) and (n == 4 or real > n // 2), (n, real)
         seen.add(n)
     assert len(seen) >= 3
+
+
+def test_document_ids_with_total_len_equal_repeat_interleave():
+    """The sync-free form (searchsorted) gives the repeat_interleave ids, zero-length documents
+    skipped and padding past the documents given the id len(doc_lengths)."""
+    gen = torch.Generator().manual_seed(11)
+    for case in range(50):
+        lengths = torch.randint(0, 6, (case % 7,), generator=gen)
+        lengths[torch.rand(lengths.shape, generator=gen) < 0.3] = 0
+        total = int(lengths.sum()) + case % 4
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        want = torch.cat([ids, torch.full((total - ids.numel(),), len(lengths))])
+        got = document_ids(lengths, total)
+        assert got.dtype == torch.long and torch.equal(got, want), (lengths.tolist(), total)
+        assert torch.equal(document_ids(lengths), ids)
+    with pytest.raises(ValueError, match="total_len"):
+        document_ids(torch.tensor([3, 4]), 6)
+
+
+def _padded_batch(lengths, loss_mask_T):
+    """The [b, L] loss mask a packed row came from (its padding True: anchor_count must read
+    only each row's first lengths[r] positions)."""
+    L = int(lengths.max())
+    mask_bL = torch.ones(len(lengths), L, dtype=torch.bool)
+    for r, (start, n) in enumerate(zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist())):
+        mask_bL[r, :n] = loss_mask_T[start:start + n]
+    return mask_bL
+
+
+def _packed_batches(num_cases, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(num_cases):
+        lengths, loss_mask = random_packed_row(gen, 1 + case % 6, max_len=30, pad=case % 5)
+        yield case, lengths, loss_mask, _padded_batch(lengths, loss_mask)
+
+
+def test_anchor_count_is_the_number_of_real_anchors_sample_anchors_draws():
+    seen_empty = seen_capped = seen_uncapped = False
+    for seed in (0, 1, 2):
+        for case, lengths, loss_mask, mask_bL in _packed_batches(40, seed):
+            k = (1, 2, 5, 50)[case % 4]
+            _, n = sample_anchors(loss_mask, lengths, k, step_generator(seed, case), return_count=True)
+            assert anchor_count(mask_bL, lengths, k) == n, (seed, case)
+            doc = document_ids(lengths, loss_mask.numel())
+            ok = torch.zeros_like(loss_mask)
+            ok[:-1] = loss_mask[:-1] & loss_mask[1:] & (doc[:-1] == doc[1:])
+            per_doc = torch.bincount(doc[ok], minlength=len(lengths))[: len(lengths)]
+            seen_empty |= bool((per_doc == 0).any())
+            seen_capped |= bool((per_doc > k).any())
+            seen_uncapped |= bool(((per_doc > 0) & (per_doc < k)).any())
+    assert seen_empty and seen_capped and seen_uncapped, "cases must cover the corners"
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+@pytest.mark.parametrize("buckets", [0, 1, 4])
+def test_sample_anchors_with_a_host_count_equal_the_synced_ones(multiple, buckets):
+    """With the count known on the host (nonzero_static, no host sync) the very same tensor."""
+    for case, lengths, loss_mask, mask_bL in _packed_batches(30, 5):
+        k = (1, 3, 40)[case % 3]
+        count = anchor_count(mask_bL, lengths, k)
+        kw = dict(pad_to_multiple=multiple, buckets_per_doubling=buckets, return_count=True)
+        want, n = sample_anchors(loss_mask, lengths, k, step_generator(9, case), **kw)
+        got, m = sample_anchors(loss_mask, lengths, k, step_generator(9, case), count=count, **kw)
+        assert got.dtype == want.dtype and torch.equal(got, want) and m == n == count, case

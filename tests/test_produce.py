@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dflash_train.batching import Batch
-from dflash_train.masks import step_generator
-from dflash_train.produce import FeatureNoise, add_feature_noise, context_features, pack
+from dflash_train.masks import sample_anchors, step_generator
+from dflash_train.produce import FeatureNoise, Producer, add_feature_noise, context_features, pack
 
 
 def test_feature_noise():
@@ -115,8 +115,9 @@ class _FakeDist:
 @pytest.mark.parametrize("split", [False, True])
 def test_transport_carries_the_targets_final_state(monkeypatch, split):
     """The wire format round trip of a distillation shipment (features, final state, ids, mask,
-    labels, documents, statistics), with and without split fc layers, and of a plain one after
-    it on the same receiver (the final state's buffer is not sent)."""
+    labels, documents, statistics, anchor count), with and without split fc layers, and of a
+    plain one after it on the same receiver (the final state's buffer is not sent, the anchor
+    count is unknown)."""
     import torch.distributed
 
     from dflash_train.transport import Receiver, Sender
@@ -130,11 +131,13 @@ def test_transport_carries_the_targets_final_state(monkeypatch, split):
     final_bLH = torch.randn(len(lengths), L, 4, generator=gen).to(torch.bfloat16)
     noise = FeatureNoise("uniform", 0.05, seed=7, device=torch.device("cpu"))
     sender, receiver = Sender(_FakeDist(), queue_depth=2), Receiver(_FakeDist())
-    for index, final in ((5, final_bLH), (6, None)):
+    for index, final, count in ((5, final_bLH, 7), (6, None, None)):
         sent = pack(batch, index, taps if split else torch.cat(taps, dim=-1), final, 32, None if split else noise)
+        sent.anchor_count = count
         sender.send(1, sent)
         got = receiver.recv(0, index)
         assert not got.failed and got.index == index and got.num_tokens == sent.num_tokens
+        assert got.anchor_count == count
         for name in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths"):
             assert torch.equal(getattr(got, name), getattr(sent, name)), name
         assert torch.equal(context_features(got, noise), context_features(sent, noise))
@@ -143,3 +146,37 @@ def test_transport_carries_the_targets_final_state(monkeypatch, split):
         else:
             assert got.target_hidden_TH.dtype == torch.bfloat16 and torch.equal(got.target_hidden_TH, sent.target_hidden_TH)
     assert not p2p.queue
+
+
+def test_producer_ships_the_anchor_count_sample_anchors_draws():
+    """With num_anchors the producer counts the anchors on the host (the drafter step then
+    needs no host sync); a failed target forward ships no count, nor does a producer without it."""
+    gen = torch.Generator().manual_seed(3)
+    batch, taps, _ = random_batch(gen, [5, 12, 1, 9], 12, taps=1, H=4)
+
+    class Target:
+        fail = False
+
+        def capture(self, ids, concat=True):
+            if self.fail:
+                raise RuntimeError("out of memory")
+            return taps[0], None
+
+    class Faults:
+        def target_forward(self, step):
+            pass
+
+    class Timer:
+        def mark(self, stage):
+            pass
+
+    target = Target()
+    kw = dict(device=torch.device("cpu"), noise=None, split_fc=False, pad_to=40, micro_per_step=1,
+              faults=Faults(), timer=Timer(), log=lambda msg: None)
+    for k in (1, 2, 8):
+        s = Producer(target, None, num_anchors=k, **kw).produce(4, batch)
+        _, n = sample_anchors(s.loss_mask_T, s.doc_lengths, k, step_generator(0, 4), return_count=True)
+        assert s.anchor_count == n > 0
+    assert Producer(target, None, **kw).produce(4, batch).anchor_count is None
+    target.fail = True
+    assert Producer(target, None, num_anchors=2, **kw).produce(4, batch).anchor_count is None
