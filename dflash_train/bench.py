@@ -68,8 +68,9 @@ class Workload:
 
 
 # The settings of configs/qwen3-8b.yaml that both 8B workloads share (compiled target and
-# drafter layers, the 5-layer block-16 drafter; Qwen3's first unused token as the mask).
-QWEN3_8B_RUN = {"target": {"compile": True}, "train": {"compile": True},
+# drafter layers, 4 anchor buckets per doubling, the 5-layer block-16 drafter; Qwen3's first
+# unused token as the mask).
+QWEN3_8B_RUN = {"target": {"compile": True}, "train": {"compile": True, "anchor_buckets_per_doubling": 4},
                 "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669}}
 
 WORKLOADS: dict[str, Workload] = {
