@@ -241,8 +241,73 @@ def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
                  f"{'share':>7} {'ms':>10} {'calls':>7}  kernel"]
         lines += [f"{v[0] / device_total:>7.1%} {v[0] / 1e3:>10.2f} {v[1]:>7}  {name[:160]}" for name, v in ranked[:40]]
         lines += host_summary(prof, steps, len(device_events))
+        with SyncSites(device) as syncs:  # one more step, outside the window: where the host waits
+            take_step(run, counter.watch)
+        torch.cuda.synchronize(device)
+        lines += syncs.lines(1)
         summary_path.write_text("\n".join(lines) + "\n")
     return max(0.0, 1.0 - busy / max(span[1] - span[0], 1e-9))
+
+
+class SyncSites:
+    """While open, every operation that makes the host wait for the GPU is counted by its call
+    site: CUDA's sync debug mode warns at each (item, nonzero, a device-to-host copy, ...), and
+    the warning's Python stack names the innermost frame outside torch and this package's frames
+    that led there. On CPU there is no debug mode; warnings about synchronising are counted all
+    the same (tests). Other warnings pass through as usual."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.sites: dict[tuple[str, str], int] = {}
+
+    def __enter__(self) -> "SyncSites":
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        self._show = warnings.showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        if "synchroniz" not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        outside = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
+        site = f"{_short(outside[-1].filename)}:{outside[-1].lineno}" if outside else f"{filename}:{lineno}"
+        ours = [f"{_short(f.filename)}:{f.lineno}" for f in frames if f"{os.sep}dflash_train{os.sep}" in f.filename]
+        key = (site, " <- ".join(reversed(ours[-3:])))
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    def lines(self, steps: int) -> list[str]:
+        total = sum(self.sites.values())
+        out = ["", f"host syncs: {total / steps:.1f} per step (torch.cuda sync debug mode over {steps} step(s)), "
+               "by call site (innermost frame outside torch | this package's frames)"]
+        out += [f"{n / steps:>7.1f}  {site} | {ours}"
+                for (site, ours), n in sorted(self.sites.items(), key=lambda kv: -kv[1])]
+        return out
+
+
+def _short(path: str) -> str:
+    """A source path from its package folder on (site-packages and the checkout dropped)."""
+    parts = Path(path).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1:])
+    if "dflash_train" in parts:
+        return "/".join(parts[parts.index("dflash_train"):])
+    return path
 
 
 def host_summary(prof, steps: int, device_events: int, top: int = 30) -> list[str]:

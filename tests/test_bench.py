@@ -296,3 +296,26 @@ def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
     assert out["live_rows"] == rows and out["fill_steps"] == 1 and prefills == [1, 1, 1, 1]  # one forward each
     assert slots.num_live == rows and not slots.pending  # nothing prefilled or finished in the window
     assert path.read_text().startswith("3 regeneration steps at 4 rows, every row live")
+
+
+def test_sync_sites_count_synchronising_warnings_by_call_site():
+    """bench.SyncSites (the profile summary's host-sync list): warnings about synchronising are
+    counted by the line that caused them, other warnings pass through untouched."""
+    import warnings
+
+    def wait():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def wait_elsewhere():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    with pytest.warns(UserWarning, match="unrelated"):
+        with bench.SyncSites(torch.device("cpu")) as syncs:
+            for _ in range(3):
+                wait()
+            wait_elsewhere()
+            warnings.warn("unrelated")
+    assert sorted(syncs.sites.values()) == [1, 3]
+    assert all(site.startswith(__file__) or "test_bench.py" in site for site, _ in syncs.sites)
+    lines = syncs.lines(2)
+    assert "2.0 per step" in lines[1] and lines[2].strip().startswith("1.5")

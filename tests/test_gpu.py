@@ -255,6 +255,7 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
     text = summary.read_text()
     assert "kernel" in text and "bench_window" not in text
     assert "host:" in text and "cudaLaunchKernel" in text  # the host's side: launches ranked by host time
+    assert "host syncs:" in text and "step.py" in text  # the skip decision's wait, at least, by its call site
 
 
 def test_compiled_target_layers_give_the_eager_features():
