@@ -127,19 +127,22 @@ class WorkCounter:
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.offsets: list[torch.Tensor] = []
-        self.shipments: list[tuple] = []  # (loss_mask_T, doc_lengths, padded_tokens, rows) on the device
+        # (real anchors, or the loss mask to count them from; doc_lengths; padded_tokens; rows)
+        self.shipments: list[tuple] = []
         self.bytes_sent = 0  # of the shipments watched, as they travel between ranks
         self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def watch(self, shipments):
         """Pass a step's shipments through (`train.take_step(run, counter.watch)`), keeping what
-        the count needs of every trained shipment: device copies without a host sync (a drafter
-        rank's receive buffers are reused by the next batch), and the bytes each shipment takes
-        on the wire."""
+        the count needs of every trained shipment: its anchor count as it travels with it (a
+        device copy of its loss mask where the count is unknown), device copies without a host
+        sync (a drafter rank's receive buffers are reused by the next batch), and the bytes each
+        shipment takes on the wire."""
         for s in shipments:
             self.bytes_sent += wire_bytes(s)
             if not s.failed:
-                self.shipments.append((s.loss_mask_T.clone(), s.doc_lengths.clone(), s.padded_tokens, s.rows))
+                real = s.anchor_count if s.anchor_count is not None else s.loss_mask_T.clone()
+                self.shipments.append((real, s.doc_lengths.clone(), s.padded_tokens, s.rows))
             yield s
 
     def _hook(self, module, args, kwargs) -> None:
@@ -159,9 +162,11 @@ class WorkCounter:
         work = WorkCount(loss_rows=loss_rows)
         # (sample lengths, padded target tokens, rows, real anchors) of every micro-batch
         micro = []
-        for mask_T, docs, padded, rows in self.shipments:  # host syncs: after timing
+        for real, docs, padded, rows in self.shipments:  # host syncs: after timing
             docs = docs.cpu()
-            micro.append((docs, padded, rows, packed_anchor_count(mask_T.cpu(), docs, num_anchors)))
+            if isinstance(real, torch.Tensor):  # the loss mask of a shipment without its count
+                real = packed_anchor_count(real.cpu(), docs, num_anchors)
+            micro.append((docs, padded, rows, real))
         assert len(self.offsets) == len(micro), "one drafter forward per micro-batch"
         pairs = []
         for (lengths, padded, rows, real), offsets_N in zip(micro, self.offsets):

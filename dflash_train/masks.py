@@ -1,9 +1,9 @@
 """Anchors, block layout and the one attention-mask rule of DFlash training.
 
 Owns: document ids of a packed row, the anchor rule (`anchor_candidates`), its host-side count
-(`packed_anchor_count`, `anchor_count`), per-document anchor sampling, the layout of the draft blocks
-(inputs, rope positions, labels, loss weights), and the mask rule. The rule is written once, as
-a flex-attention `mask_mod` over tensors; the dense boolean mask (CPU, sdpa), the flex
+(`packed_anchor_count`, `anchor_count`), per-document anchor sampling, the layout of the draft
+blocks (inputs, rope positions, labels, loss weights), and the mask rule. The rule is written
+once, as a flex-attention `mask_mod` over tensors; the dense boolean mask (CPU, sdpa), the flex
 `BlockMask` (CUDA; the kernel applies the rule inside partial tiles) and the tests all evaluate
 that same function. Only the BlockMask's tile index is derived separately, from the layout, and
 tested against `create_block_mask`'s evaluation of the rule on every pair.
@@ -153,20 +153,13 @@ def sample_anchors(
     rank_T = torch.arange(T, device=device) - starts[doc_T[order_T]]
     chosen_T = torch.zeros_like(valid_T)
     chosen_T[order_T] = valid_T[order_T] & (rank_T < num_anchors)
-    if count is not None:
-        # The count is known on the host: one static shape, no host sync.
-        n = count
-        padded = padded_anchor_count(n, pad_to_multiple, buckets_per_doubling)
-        anchors_N = torch.nonzero_static(chosen_T, size=padded, fill_value=-1).flatten()
-        return (anchors_N, n) if return_count else anchors_N
-    # Host sync (nonzero): the anchor count decides the drafter's shape for this step.
-    anchors_N = torch.nonzero(chosen_T).flatten()
+    # The real count: known on the host (`count`), or read off the device (a host sync). It
+    # decides the drafter's shape for this step; nonzero_static pads with -1 up to it.
+    n = count if count is not None else int(chosen_T.sum())
     # A row without any valid anchor still yields one (padding) block, so every step has a
     # well-formed, if lossless, drafter forward instead of a zero-length attention.
-    n = anchors_N.numel()
-    pad = padded_anchor_count(n, pad_to_multiple, buckets_per_doubling) - n
-    if pad:
-        anchors_N = torch.cat([anchors_N, anchors_N.new_full((pad,), -1)])
+    size = padded_anchor_count(n, pad_to_multiple, buckets_per_doubling)
+    anchors_N = torch.nonzero_static(chosen_T, size=size, fill_value=-1).flatten()
     return (anchors_N, n) if return_count else anchors_N
 
 

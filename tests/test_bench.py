@@ -104,10 +104,17 @@ def test_visible_pairs_equal_a_brute_force_count_of_the_mask(window):
         assert int(layout.visible_pairs(window)) == brute, (seed, window)
 
 
-def test_work_counted_from_a_real_step_matches_the_step_itself():
+@pytest.mark.parametrize("shipped_count", [True, False], ids=["shipped-count", "counted-from-mask"])
+def test_work_counted_from_a_real_step_matches_the_step_itself(shipped_count):
     """The counter sees only the drafter's inputs and the shipments; compare it with what
-    the step really built: the dense mask (CPU) and the anchors sample_anchors drew."""
+    the step really built: the dense mask (CPU) and the anchors sample_anchors drew. The anchor
+    count is the one the shipment carries, or counted from its loss mask where it has none."""
     from dflash_train.train import take_step
+
+    def without_count(shipments):
+        for s in shipments:
+            s.anchor_count = None
+            yield s
 
     run, _ = bench.build_run("tiny", ["objective.noise=none"], log=lambda *a: None)
     drafter = run.step.drafter
@@ -115,7 +122,7 @@ def test_work_counted_from_a_real_step_matches_the_step_itself():
     seen = []
     drafter.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((args[1].shape[1], kwargs["attention_mask"])), with_kwargs=True)
-    take_step(run, counter.watch)
+    take_step(run, counter.watch if shipped_count else lambda ships: counter.watch(without_count(ships)))
     loss_rows = int(run.step.acc.count_K.sum())
     work = counter.count(run.cfg.objective.num_anchors, loss_rows)
     (index,) = run.assign.consumed(0, 0)
