@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_train.masks import (
+    anchor_candidates,
     anchor_count,
     build_attention_masks,
     build_layout,
@@ -341,8 +342,7 @@ def test_anchor_count_is_the_number_of_real_anchors_sample_anchors_draws():
             _, n = sample_anchors(loss_mask, lengths, k, step_generator(seed, case), return_count=True)
             assert anchor_count(mask_bL, lengths, k) == n, (seed, case)
             doc = document_ids(lengths, loss_mask.numel())
-            ok = torch.zeros_like(loss_mask)
-            ok[:-1] = loss_mask[:-1] & loss_mask[1:] & (doc[:-1] == doc[1:])
+            ok = anchor_candidates(loss_mask, doc)
             per_doc = torch.bincount(doc[ok], minlength=len(lengths))[: len(lengths)]
             seen_empty |= bool((per_doc == 0).any())
             seen_capped |= bool((per_doc > k).any())
