@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dflash_train.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, runs_whole_target
+from dflash_train.engine_attention import CAUSAL_ATTENTION, UseAttention, has_sliding_layers, register_attention
 from dflash_train.errors import InputError, MissingPath
 
 
@@ -121,6 +122,22 @@ class LayerTaps:
         self.outputs.clear()
 
 
+def capture_attention(model) -> str | None:
+    """The attention a capture runs the target's layers with: the engine's CAUSAL_ATTENTION when
+    the model would use SDPA with nothing but the causal mask (no sliding-window or chunked
+    layers), else None (the model's own). A capture's rows are right-padded samples at positions
+    0..L-1, so causal attention is all their mask is; with SDPA's own name, transformers would
+    first check the position ids for packed sequences, a host sync in every target forward
+    (`masking_utils.find_packed_sequence_indices`), and then pass no mask all the same. Same
+    kernels (SDPA, causal, grouped heads), same numbers."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or has_sliding_layers(config) \
+            or getattr(config, "attention_chunk_size", None) is not None:
+        return None
+    register_attention()
+    return CAUSAL_ATTENTION
+
+
 class Target:
     """A frozen causal LM that returns the outputs of its tapped layers, and what
     `objective.labels` (`labels`) needs of its last layer: nothing (data), its greedy token
@@ -141,6 +158,7 @@ class Target:
             # Nothing after the last tapped layer is ever needed: drop it (time and memory).
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
         self.taps = LayerTaps(model, self.layer_ids)
+        self.attention = capture_attention(model)
         self.embed_weight = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         self.lm_head_weight = head.weight if head is not None else self.embed_weight
@@ -151,7 +169,11 @@ class Target:
         [b, L, H]), and what the labels need past them: None (data), the greedy next-token
         prediction at every position [b, L] (target), or the final hidden state (after the
         final norm, what the lm_head reads) at every position [b, L, H] (distill)."""
-        out = self.decoder(input_ids=input_ids_bL, use_cache=False)
+        if self.attention is None:
+            out = self.decoder(input_ids=input_ids_bL, use_cache=False)
+        else:
+            with UseAttention(self.model, self.attention):
+                out = self.decoder(input_ids=input_ids_bL, use_cache=False)
         features = self.taps.features(concat)
         if self.labels == "distill":
             return features, out.last_hidden_state

@@ -180,3 +180,40 @@ def test_producer_ships_the_anchor_count_sample_anchors_draws():
     assert Producer(target, None, **kw).produce(4, batch).anchor_count is None
     target.fail = True
     assert Producer(target, None, num_anchors=2, **kw).produce(4, batch).anchor_count is None
+
+
+def test_capture_runs_causal_attention_without_the_packed_sequence_check(monkeypatch):
+    """Target.capture runs the layers with the engine's causal attention: the features (and the
+    greedy labels) of right-padded rows are those of the model's own SDPA path, and transformers'
+    packed-sequence check (a host sync on a GPU, once per target forward) is never reached. A
+    target with sliding-window layers keeps its own attention (its mask is more than causal)."""
+    import transformers.masking_utils as masking_utils
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from conftest import tiny_target_config
+    from dflash_train.engine_attention import CAUSAL_ATTENTION
+    from dflash_train.target import Target
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_target_config(), attn_implementation="sdpa").eval()
+    target = Target(model, [1, 3, 5], labels="target")
+    assert target.attention == CAUSAL_ATTENTION
+    ids = torch.randint(1, 128, (3, 20))
+    ids[1, 12:] = 0  # right padding
+    with torch.no_grad():
+        reference = model(input_ids=ids, output_hidden_states=True)
+    assert model.config._attn_implementation == "sdpa"
+
+    def no_check(position_ids):
+        raise AssertionError("the packed-sequence check ran")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", no_check)
+    features, greedy = target.capture(ids)
+    assert model.config._attn_implementation == "sdpa"  # restored after the capture
+    expected = torch.cat([reference.hidden_states[i + 1] for i in (1, 3, 5)], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(greedy, reference.logits.argmax(-1))
+
+    sliding = AutoModelForCausalLM.from_config(
+        MistralConfig(**{**tiny_target_config().to_dict(), "sliding_window": 8}), attn_implementation="sdpa")
+    assert Target(sliding.eval(), [1], labels="data").attention is None
