@@ -44,9 +44,8 @@ def position_weights(block_size: int, gamma: float | None = None, device=None) -
     if gamma <= 0 or not math.isfinite(gamma):
         raise ValueError(f"objective.gamma must be a positive number, got {gamma}")
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+    # A product, not w[0] = 0.0: a Python number written into a GPU tensor is a host sync.
+    return torch.exp(-(k - 1) / gamma) * (k > 0)
 
 
 @torch.no_grad()
