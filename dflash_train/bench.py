@@ -280,7 +280,7 @@ class SyncSites:
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
         import traceback
 
-        if "synchroniz" not in str(message):
+        if "called a synchronizing" not in str(message):  # not e.g. the debug mode's own warning
             self._show(message, category, filename, lineno, file, line)
             return
         frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
@@ -424,11 +424,12 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup,
                   lambda text: log(f"bench {workload}: {text}"))
     graphs_before = _compiled_graphs()
-    applied = 0
+    results = []
     started = time.perf_counter()
     for _ in range(num_steps):
-        applied += take_step(run, counter.watch).applied
+        results.append(take_step(run, counter.watch))
     _sync(device)
+    applied = sum(r.applied for r in results)  # read after timing: the device may have decided
     wall = time.perf_counter() - started
     compiles = _compiled_graphs() - graphs_before
     stage_total = run.timer.flush()
@@ -544,20 +545,21 @@ def _drafter_side(run, config, num_warmup: int, num_steps: int, say) -> dict:
     cfg, device, receiver = run.cfg, run.dist.device, run.receiver
     counter = WorkCounter(run.step.drafter)
 
-    def step() -> bool:
+    def step():
         result = take_step(run, counter.watch)
         run.control.agree(run.steps_done, result)  # no signal handler, no time limit: nobody stops
-        return result.applied
+        return result
 
     warm_up(run)
     warm_up_steps(run, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
     recv_wait = receiver.wait_s if receiver is not None else 0.0
     graphs_before = _compiled_graphs()
-    applied = 0
+    results = []
     started = time.perf_counter()
     for _ in range(num_steps):
-        applied += step()
+        results.append(step())
     _sync(device)
+    applied = sum(r.applied for r in results)  # read after timing: the device may have decided
     wall = time.perf_counter() - started
     compiles = _compiled_graphs() - graphs_before
     stage_total = run.timer.flush()

@@ -85,6 +85,7 @@ class Control:
         self.consecutive_skips = 0
         self.total_skipped = 0
         self.failure_streak = 0  # failed micro-batches in a row, in global index order
+        self.stopping_skips = 0  # the streak that made this rank ask for a non-finite stop
 
     def __enter__(self) -> "Control":
         self.flag.install()
@@ -110,6 +111,8 @@ class Control:
         """Whether, and why, every rank stops after 1-based step `step`. `result` is this drafter
         rank's step.StepResult (None on a target rank). One small all-reduce (alone: none)."""
         drafter = result is not None
+        if drafter and self.consecutive_skips >= self.cfg.max_consecutive_skips:
+            self.stopping_skips = self.consecutive_skips  # a step counted after this may end the streak
         mine = Flags(signal=self.flag.requested is not None,
                      non_finite=drafter and self.consecutive_skips >= self.cfg.max_consecutive_skips,
                      out_of_time=drafter and time.perf_counter() >= self.deadline,
@@ -145,7 +148,7 @@ class Control:
                     f"train.max_consecutive_batch_failures={c.max_consecutive_batch_failures}; each failure is "
                     f"logged above with its batch's shape); the last good state is saved in {saved}. If they ran "
                     f"out of memory, lower data.token_budget or data.max_batch_size.")
-        return (f"{self.consecutive_skips} consecutive non-finite steps (limit train.max_consecutive_skips="
+        return (f"{self.stopping_skips} consecutive non-finite steps (limit train.max_consecutive_skips="
                 f"{c.max_consecutive_skips}); the last good state is saved in {saved}. Lower optim.lr or check "
                 f"the data and the target.")
 

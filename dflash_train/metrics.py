@@ -78,9 +78,13 @@ class Accumulator:
     def add_failed_batch(self) -> None:
         self.sums["failed_batches"] += 1
 
-    def add_step(self, grad_norm: torch.Tensor, skipped: bool) -> None:
+    def add_step(self, grad_norm: torch.Tensor, skipped: bool | torch.Tensor) -> None:
+        """`skipped`: a host bool, or the device's flag (counted without reading it)."""
         self.sums["steps"] += 1
-        if skipped:
+        if torch.is_tensor(skipped):
+            self.sums["skipped"] += skipped.to(torch.float64)
+            self.sums["grad_norm_sum"] += torch.where(skipped, 0.0, grad_norm.detach().double())
+        elif skipped:
             self.sums["skipped"] += 1
         else:
             self.sums["grad_norm_sum"] += grad_norm.detach().double()

@@ -26,12 +26,27 @@ from dflash_train.produce import FeatureNoise, Shipment, context_features
 
 @dataclass
 class StepResult:
-    applied: bool
-    """The optimizer step was taken (finite loss and gradient norm)."""
+    flag: bool | torch.Tensor
+    """The optimizer step was taken (finite loss and gradient norm): a host bool, or the device's
+    flag when the device made the decision (`DrafterStep.skip_on_device`); `applied` reads it."""
     all_failed: bool = False
     """Every micro-batch of the step (on every drafter rank) failed: nothing to learn from."""
     last_trained: int = -1
     """Global index of the last micro-batch this rank trained on in the step (-1: none)."""
+    step: int = 0
+    """The 1-based optimizer step (0: unknown)."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the host knows `applied` without waiting for the device."""
+        return not torch.is_tensor(self.flag)
+
+    @property
+    def applied(self) -> bool:
+        """The decision as a host bool; a device flag is read (a host sync) once."""
+        if torch.is_tensor(self.flag):
+            self.flag = bool(self.flag)
+        return self.flag
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
@@ -63,6 +78,11 @@ class DrafterStep:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=device.type == "cuda")
+        # One drafter rank with the fused AdamW: the skip decision stays on the device (the fused
+        # kernel skips the update, and leaves its step count, when `found_inf` is set, as with a
+        # gradient scaler), so that the step ends without the host waiting for the GPU; the host
+        # reads the flag later (StepResult.applied). Otherwise the host decides.
+        self.skip_on_device = self.optimizer.defaults.get("fused") is True and len(dist.drafter_ranks) == 1
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(total_steps, o.warmup_ratio, o.min_lr_ratio))
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -71,7 +91,7 @@ class DrafterStep:
     def __call__(self, shipments) -> StepResult:
         """One optimizer step; `shipments` yields the next micro-batch only after the previous
         one's backward (a drafter rank's receive buffers are reused)."""
-        loss_sum, weight_sum, used, last = 0.0, 0.0, 0, -1
+        loss_sum, weight_sum, used, last, step = 0.0, 0.0, 0, -1, 0
         for shipment in shipments:
             step = shipment.index // self.micro_per_step + 1
             out = self.forward(shipment)
@@ -94,19 +114,23 @@ class DrafterStep:
             torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
             ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
-            if used_by_all is None:
-                applied = bool(ok)  # host sync: the skip decision
-            else:  # the global count is read with the skip decision, in the same host sync
+            if used_by_all is not None:  # the global count is read with the skip decision, in one host sync
                 trained = used_by_all > 0
                 applied, any_trained = torch.stack([ok & trained, trained]).tolist()
                 all_failed = not any_trained
-        if applied:
+            elif self.skip_on_device:
+                self.optimizer.found_inf = (~ok).to(torch.float32)
+                self.optimizer.step()  # a no-op on the device when found_inf is set
+                applied = ok
+            else:
+                applied = bool(ok)  # host sync: the skip decision
+        if applied is True:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.timer.mark(None)
-        self.acc.add_step(grad_norm, skipped=not applied)
-        return StepResult(applied, all_failed=all_failed, last_trained=last)
+        self.acc.add_step(grad_norm, skipped=~applied if torch.is_tensor(applied) else not applied)
+        return StepResult(applied, all_failed=all_failed, last_trained=last, step=step)
 
     def forward(self, s: Shipment) -> BlockLossOutput | None:
         """One micro-batch: (split fc: concat + noise) -> anchors -> blocks and masks -> drafter

@@ -365,16 +365,34 @@ def train_drafter(run: Run) -> Path | None:
     sink = MetricsSink(run.out, cfg.log, to_dict(cfg), run.total_steps, run.steps_done) \
         if run.dist.is_leader else NullSink()
     stop = None
+
+    def count(result) -> None:
+        if control.count(result):
+            sink.event(f"step {result.step}: non-finite loss or gradient; step skipped, weights untouched")
+
     try:
         with control:
+            pending = None  # a step whose skip decision the device made and the host has not read
             while run.steps_done < run.total_steps:
                 result = take_step(run)
                 n = run.steps_done
                 sink.progress()
-                if control.count(result):
-                    sink.event(f"step {n}: non-finite loss or gradient; step skipped, weights untouched")
+                # A skip decision made on the device is read a step later: the next step's work is
+                # queued by then, so the read keeps the GPU busy instead of draining it. Log,
+                # checkpoint and last steps read their own at once (what they record is exact);
+                # a non-finite stop may come one step late (skipped steps change nothing).
+                if pending is not None:
+                    count(pending)
+                    pending = None
+                if result.ready or n % cfg.log.every == 0 or n == run.total_steps or checkpoints.due(n):
+                    count(result)
+                else:
+                    pending = result
                 run.faults.after_step(n)
                 stop = control.agree(n, result)
+                if stop is not None and pending is not None:  # the state saved on a stop counts it
+                    count(pending)
+                    pending = None
                 # Not on a signal: the interval's sums are saved and the resumed run logs them.
                 if n % cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
                     # Walked every eval.every steps and at the end (the last step or the time box), so

@@ -136,6 +136,71 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     assert (tmp_path / "checkpoints" / "step-8").is_dir()  # the last good state, saved on stop
 
 
+def test_skip_decided_on_the_device_is_read_a_step_late(tmp_path, monkeypatch):
+    """The fused AdamW's skip on the device (as one drafter rank on a GPU runs it; here the CPU's
+    fused kernel): a non-finite step changes neither weights nor optimizer state, its flag is read
+    at the next step (log, checkpoint and last steps at once), and the metrics and the stop count
+    every skipped step; the non-finite stop comes at most one step late, with the streak that
+    caused it."""
+    import dflash_train.step as step_module
+
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3",
+                             "log.every=5", "checkpoint.every=10"])
+    run = build(cfg)
+    step = run.step
+    old = step.optimizer
+    step.optimizer = torch.optim.AdamW(step.drafter.parameters(), lr=old.defaults["lr"], betas=old.defaults["betas"],
+                                       eps=old.defaults["eps"], weight_decay=old.defaults["weight_decay"], fused=True)
+    step.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, step.scheduler.lr_lambdas[0])
+    step.skip_on_device = True
+    real_loss = step_module.block_loss
+    poisoned = {4, 6, 7, 8}
+    seen, snapshots = [], {}
+
+    def loss_with_nan(*args, **kwargs):
+        out = real_loss(*args, **kwargs)
+        if run.steps_done + 1 in poisoned:
+            out.loss_sum = out.loss_sum * float("nan")
+        return out
+
+    def copy_state():
+        return ({k: v.clone() for k, v in step.drafter.state_dict().items()},
+                {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
+                 for k, s in step.optimizer.state_dict()["state"].items()})
+
+    real_step = step_module.DrafterStep.__call__
+
+    def watched_step(self, batches):
+        n = run.steps_done + 1
+        if n == 4:
+            snapshots["before"] = copy_state()
+        result = real_step(self, batches)
+        if n == 4:
+            snapshots["after"] = copy_state()
+        seen.append((n, result.ready, run.control.total_skipped))
+        return result
+
+    monkeypatch.setattr(step_module, "block_loss", loss_with_nan)
+    monkeypatch.setattr(step_module.DrafterStep, "__call__", watched_step)
+    with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
+        train_drafter(run)
+    before, after = snapshots["before"], snapshots["after"]
+    for k, v in before[0].items():
+        assert torch.equal(v, after[0][k]), k
+    for k, s in before[1].items():
+        for n, t in s.items():
+            assert torch.equal(torch.as_tensor(t), torch.as_tensor(after[1][k][n])), (k, n)
+    assert all(not ready for _, ready, _ in seen)  # every flag stayed on the "device" when made
+    # total_skipped as each step began: step 4's skip was counted at step 5 (a log step)
+    assert [(n, total) for n, _, total in seen] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1),
+                                                     (8, 2), (9, 3)]
+    assert run.control.total_skipped == 4  # step 8's skip, read at step 9, where the run stopped
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_steps"], r["skipped_total"]) for r in rows] == [(5, 1, 1), (9, 3, 4)]
+    assert all(r["grad_norm"] == r["grad_norm"] for r in rows)  # skipped steps' NaN norms left out
+    assert (tmp_path / "checkpoints" / "step-9").is_dir()
+
+
 def test_export_loads_back_everywhere(reference_run, tmp_path):
     from transformers import AutoModel
 
