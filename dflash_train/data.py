@@ -630,8 +630,15 @@ def _build_samples(tokenizer, special, records: list[Record], max_length: int, o
 
 
 def _to_dataset(samples: list[tuple]):
+    """The prepared samples as a datasets.Dataset, its fingerprint a SHA-256 of the columns. With
+    none given, datasets hashes the table by pickling it with dill, which pickles modules found
+    outside the interpreter's prefix and site-packages (pyarrow installed with `pip --target` on
+    PYTHONPATH) by value and fails there (`PicklingError: Can't pickle <class 'MonthDayNano'>`)."""
+    import hashlib
+
     import datasets
     import pyarrow as pa
+    from datasets.table import InMemoryTable
 
     lengths = np.array([len(ids) for ids, *_ in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int32)
@@ -646,7 +653,11 @@ def _to_dataset(samples: list[tuple]):
         "conversation": pa.array([key for *_, key, _ in samples], pa.string()),
         "source": pa.array([source for *_, source in samples], pa.string()),
     }
-    return datasets.Dataset.from_dict(table)
+    digest = hashlib.sha256()
+    for column in (offsets, values_ids, values_mask):
+        digest.update(np.ascontiguousarray(column).tobytes())
+    digest.update(json.dumps([[key, source] for *_, key, source in samples]).encode())
+    return datasets.Dataset(InMemoryTable.from_pydict(table), fingerprint=digest.hexdigest()[:16])
 
 
 def nothing_usable(files: Iterable[str | os.PathLike], num_records: int, skipped: list[Skip]) -> str:

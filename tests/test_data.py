@@ -294,6 +294,35 @@ def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokeni
     assert report["num_supervised_tokens"] == sum(sum(m) for m in ds["loss_mask"])
 
 
+def test_prepared_dataset_is_fingerprinted_from_its_columns_not_by_pickling(monkeypatch):
+    """_to_dataset gives the table from_dict would (rows and features) with a fingerprint of its
+    own: the same for the same samples, another when a token, a mask bit or a source differs,
+    and datasets' dill hashing (which fails for pyarrow installed outside site-packages) unused."""
+    import datasets
+    import datasets.fingerprint
+
+    def samples(token=7, bit=1, source="a.jsonl:1"):
+        return [(np.array([1, 2, token], np.int32), np.array([0, 1, bit], np.uint8), "k1", source),
+                (np.array([4, 5], np.int32), np.array([1, 1], np.uint8), "k2", "a.jsonl:2")]
+
+    want = datasets.Dataset.from_dict({"input_ids": [[1, 2, 7], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]],
+                                       "length": [3, 2], "conversation": ["k1", "k2"],
+                                       "source": ["a.jsonl:1", "a.jsonl:2"]})
+
+    def no_dill(*args, **kwargs):
+        raise AssertionError("datasets hashed the table")
+
+    monkeypatch.setattr(datasets.fingerprint.Hasher, "hash", classmethod(no_dill))
+    ds = data._to_dataset(samples())
+    assert ds.to_list() == want.to_list()
+    assert ds.column_names == want.column_names
+    assert [ds.features[k].feature.dtype for k in ("input_ids", "loss_mask")] == ["int32", "uint8"]
+    assert [ds.features[k].dtype for k in ("length", "conversation", "source")] == ["int32", "string", "string"]
+    assert ds._fingerprint == data._to_dataset(samples())._fingerprint
+    others = {data._to_dataset(s)._fingerprint for s in (samples(token=8), samples(bit=0), samples(source="b:1"))}
+    assert len(others) == 3 and ds._fingerprint not in others
+
+
 def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI])
     first = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
