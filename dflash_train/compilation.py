@@ -29,7 +29,7 @@ import torch
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function; a run sees a handful of shapes
 _flex = None
-_loss_chunks: dict[bool, object] = {}  # hard labels / distillation -> compiled chunk
+_loss_chunks: dict[tuple[bool, bool], object] = {}  # (distillation, tail) -> compiled chunk
 
 
 @dataclass(frozen=True)
@@ -136,12 +136,16 @@ def compile_target_layers(target) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
-def loss_chunk(soft: bool = False):
+def loss_chunk(soft: bool = False, tail: bool = False):
     """The compiled per-chunk loss (`loss.hard_chunk_loss`, or `loss._soft_chunk_loss` for
-    distillation); block_loss(compile=True) calls it."""
-    if soft not in _loss_chunks:
+    distillation); block_loss(compile=True) calls it. Full chunks run a static graph; `tail`:
+    the last, shorter chunk's function, whose row count the caller marks dynamic (one graph for
+    every tail length instead of one per length)."""
+    key = (soft, tail)
+    if key not in _loss_chunks:
         from dflash_train.loss import _soft_chunk_loss, hard_chunk_loss
 
         _raise_recompile_limit()
-        _loss_chunks[soft] = torch.compile(_soft_chunk_loss if soft else hard_chunk_loss, dynamic=False, fullgraph=True)
-    return _loss_chunks[soft]
+        _loss_chunks[key] = torch.compile(_soft_chunk_loss if soft else hard_chunk_loss,
+                                          dynamic=None if tail else False, fullgraph=True)
+    return _loss_chunks[key]

@@ -150,7 +150,9 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     one chunk of logits is ever alive; backward only scales row m by the incoming d loss /
     d row_m (the row weights, which may therefore depend on this forward's outputs). The
     lm_head weight and the target belong to the frozen target and get no gradient. With
-    `compiled`, every chunk has exactly `chunk_rows` rows (the last one padded with zeros).
+    `compiled`, every chunk but the last has `chunk_rows` rows (one static graph); a last,
+    shorter chunk runs its own graph, compiled once with the row count dynamic, on its rows
+    only (before 2026-12-03 it was padded to `chunk_rows` with zeros, lm_head work for nothing).
     """
 
     @staticmethod
@@ -167,24 +169,24 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         if compiled:
             from dflash_train.compilation import loss_chunk
 
-            chunk = loss_chunk(soft)
+            full, tail = loss_chunk(soft), loss_chunk(soft, tail=True)
         else:
-            chunk = _soft_chunk_loss if soft else hard_chunk_loss
+            full = tail = _soft_chunk_loss if soft else hard_chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
             h, aux = hidden_MH[s:e], (target_MH if soft else labels_M)[s:e]
-            pad = chunk_rows - (e - s) if compiled else 0
-            if pad:
-                h = torch.nn.functional.pad(h, (0, 0, 0, pad))
-                aux = torch.nn.functional.pad(aux, (0, 0, 0, pad) if soft else (0, pad))
+            chunk = full
+            if e - s < chunk_rows:
+                chunk = tail
+                if compiled:  # one graph for any row count (a hint: a 1-row tail gets its own)
+                    torch._dynamo.maybe_mark_dynamic(h, 0)
+                    torch._dynamo.maybe_mark_dynamic(aux, 0)
             if soft:
-                row, preds, greedy, logq, grad = chunk(h, weight_VH, aux, need_grad)
-                scored_M[s:e] = greedy[: e - s]
+                row_M[s:e], preds_M[s:e], scored_M[s:e], logq_M[s:e], grad = chunk(h, weight_VH, aux, need_grad)
             else:
-                row, preds, logq, grad = chunk(h, weight_VH, aux, need_grad)
-            row_M[s:e], preds_M[s:e], logq_M[s:e] = row[: e - s], preds[: e - s], logq[: e - s]
+                row_M[s:e], preds_M[s:e], logq_M[s:e], grad = chunk(h, weight_VH, aux, need_grad)
             if grad_MH is not None:
-                grad_MH[s:e] = grad[: e - s]
+                grad_MH[s:e] = grad
         ctx.save_for_backward(grad_MH if grad_MH is not None else hidden_MH.new_empty(0))
         ctx.mark_non_differentiable(preds_M, scored_M, logq_M)
         ctx.chunk_rows = chunk_rows

@@ -157,8 +157,8 @@ class DrafterStep:
         # The loss reads the real blocks' rows only: the padding blocks after them carry no
         # target, and their rows would add nothing but lm_head work (up to half of a row's).
         # At least one lm_head chunk's worth of scored rows (B - 1 per block: block_loss skips
-        # the anchor's), or all rows, so that the compiled chunk keeps one shape (block_loss
-        # pads a last, shorter chunk to it).
+        # the anchor's), or all rows, so that the compiled full chunk keeps one shape (a last,
+        # shorter chunk runs block_loss's graph for tails, whose row count is dynamic).
         B = d.block_size
         min_blocks = -(-max(1, o.lm_head_chunk_rows) // (B - 1))
         M = min(hidden.shape[0], max(max(1, num_real), min_blocks) * B)

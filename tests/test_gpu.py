@@ -142,7 +142,7 @@ def test_chunked_loss_on_gpu_matches_fp32_reference():
 
 def test_compiled_loss_chunks_equal_eager_on_gpu():
     """block_loss(compile=True), as the trainer runs it with train.compile on CUDA: bf16, a
-    padded last chunk, with and without the input gradient."""
+    shorter last chunk (the tail graph, rows dynamic), with and without the input gradient."""
     hidden, weight, labels, valid = random_loss_inputs(1, 40 * B)
     outs = []
     for compile in (False, True):

@@ -104,6 +104,52 @@ def test_compiled_chunks_equal_eager(soft):
     assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
 
 
+def test_compiled_tail_chunks_share_one_graph(monkeypatch):
+    """A last, shorter chunk runs the tail graph on its own rows (no padding): tails of other
+    lengths reuse that graph, full chunks keep theirs, and the results equal the eager path.
+    Skipped without a C++ compiler."""
+    import shutil
+
+    from torch._dynamo.utils import counters
+
+    from dflash_train import compilation
+
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    calls = []
+    real_chunk = compilation.loss_chunk
+
+    def spied(soft=False, tail=False):
+        fn = real_chunk(soft, tail)
+
+        def call(h, *args):
+            calls.append((tail, h.shape[0]))
+            return fn(h, *args)
+        return call
+
+    monkeypatch.setattr(compilation, "loss_chunk", spied)
+    B = 4
+    hidden, weight, labels, valid = _case(seed=29, N=12, B=B, H=32, V=300)  # 36 scored rows
+    hidden, weight = hidden.float(), weight.float()
+    graphs = []
+    for rows in (36, 33, 30, 27):  # 3 scored rows a block: no tail, then tails of 9, 6, 3 rows
+        n = rows // (B - 1) * B
+        h = hidden[:n].clone().requires_grad_(True)
+        comp = block_loss(h, weight, labels[:n], valid[:n], B, gamma=7.0, chunk_rows=12, compile=True)
+        comp.loss_sum.backward()
+        g = hidden[:n].clone().requires_grad_(True)
+        eager = block_loss(g, weight, labels[:n], valid[:n], B, gamma=7.0, chunk_rows=12, compile=False)
+        eager.loss_sum.backward()
+        torch.testing.assert_close(comp.loss_sum, eager.loss_sum, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h.grad, g.grad, atol=1e-5, rtol=1e-5)
+        assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    assert calls == [(False, 12)] * 3 + [(False, 12)] * 2 + [(True, 9)] + [(False, 12)] * 2 + [(True, 6)] \
+        + [(False, 12)] * 2 + [(True, 3)]
+    # after the first tail (33 rows), tails of other lengths compile nothing new
+    assert graphs[2] == graphs[3] == graphs[1]
+
+
 @pytest.mark.parametrize("soft,weighting", [(False, "decay"), (False, "dpace"), (True, "decay"), (True, "dpace")])
 def test_chunked_and_unchunked_agree(soft, weighting):
     """Loss and gradient do not depend on the chunk size: hard labels and distillation, the
