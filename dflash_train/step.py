@@ -124,7 +124,7 @@ class DrafterStep:
                 applied = ok
             else:
                 applied = bool(ok)  # host sync: the skip decision
-        if applied is True:
+        if applied is True:  # a host True; a device flag (already stepped above) is never read here
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

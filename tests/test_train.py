@@ -91,13 +91,13 @@ def test_corrupted_newest_checkpoint_falls_back(tmp_path, capsys):
     assert losses(out) == first and len(first) == 10
 
 
-def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+def poison_steps(run, monkeypatch, poisoned: set[int], watched: int = 4, on_result=None) -> dict:
+    """Turn the loss of the 1-based optimizer steps in `poisoned` NaN; returns a dict that gets
+    the drafter and optimizer state before and after step `watched` ("before", "after").
+    `on_result(n, result)` sees every step's StepResult."""
     import dflash_train.step as step_module
 
-    cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3"])
-    run = build(cfg)
-    real_loss = step_module.block_loss
-    poisoned = {4, 6, 7, 8}  # optimizer steps (1-based) whose loss turns NaN
+    real_loss, real_step = step_module.block_loss, step_module.DrafterStep.__call__
     snapshots = {}
 
     def loss_with_nan(*args, **kwargs):
@@ -106,31 +106,43 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
             out.loss_sum = out.loss_sum * float("nan")
         return out
 
-    real_step = step_module.DrafterStep.__call__
-
     def copy_state():
         return ({k: v.clone() for k, v in run.step.drafter.state_dict().items()},
                 {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
                  for k, s in run.step.optimizer.state_dict()["state"].items()})
 
     def watched_step(self, batches):
-        if run.steps_done + 1 == 4:
+        n = run.steps_done + 1
+        if n == watched:
             snapshots["before"] = copy_state()
         result = real_step(self, batches)
-        if run.steps_done + 1 == 4:
+        if n == watched:
             snapshots["after"] = copy_state()
+        if on_result is not None:
+            on_result(n, result)
         return result
 
     monkeypatch.setattr(step_module, "block_loss", loss_with_nan)
     monkeypatch.setattr(step_module.DrafterStep, "__call__", watched_step)
-    with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
-        train_drafter(run)
+    return snapshots
+
+
+def assert_unchanged(snapshots: dict) -> None:
     before, after = snapshots["before"], snapshots["after"]
     for k, v in before[0].items():
         assert torch.equal(v, after[0][k]), k
     for k, s in before[1].items():
         for n, t in s.items():
             assert torch.equal(torch.as_tensor(t), torch.as_tensor(after[1][k][n])), (k, n)
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3"])
+    run = build(cfg)
+    snapshots = poison_steps(run, monkeypatch, {4, 6, 7, 8})  # optimizer steps (1-based) whose loss turns NaN
+    with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
+        train_drafter(run)
+    assert_unchanged(snapshots)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows[:8]] == [0, 0, 0, 1, 0, 1, 1, 1]
     assert (tmp_path / "checkpoints" / "step-8").is_dir()  # the last good state, saved on stop
@@ -142,8 +154,6 @@ def test_skip_decided_on_the_device_is_read_a_step_late(tmp_path, monkeypatch):
     at the next step (log, checkpoint and last steps at once), and the metrics and the stop count
     every skipped step; the non-finite stop comes at most one step late, with the streak that
     caused it."""
-    import dflash_train.step as step_module
-
     cfg = load_config(TINY, [f"output_dir={tmp_path}", "train.max_steps=20", "train.max_consecutive_skips=3",
                              "log.every=5", "checkpoint.every=10"])
     run = build(cfg)
@@ -153,43 +163,12 @@ def test_skip_decided_on_the_device_is_read_a_step_late(tmp_path, monkeypatch):
                                        eps=old.defaults["eps"], weight_decay=old.defaults["weight_decay"], fused=True)
     step.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, step.scheduler.lr_lambdas[0])
     step.skip_on_device = True
-    real_loss = step_module.block_loss
-    poisoned = {4, 6, 7, 8}
-    seen, snapshots = [], {}
-
-    def loss_with_nan(*args, **kwargs):
-        out = real_loss(*args, **kwargs)
-        if run.steps_done + 1 in poisoned:
-            out.loss_sum = out.loss_sum * float("nan")
-        return out
-
-    def copy_state():
-        return ({k: v.clone() for k, v in step.drafter.state_dict().items()},
-                {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()}
-                 for k, s in step.optimizer.state_dict()["state"].items()})
-
-    real_step = step_module.DrafterStep.__call__
-
-    def watched_step(self, batches):
-        n = run.steps_done + 1
-        if n == 4:
-            snapshots["before"] = copy_state()
-        result = real_step(self, batches)
-        if n == 4:
-            snapshots["after"] = copy_state()
-        seen.append((n, result.ready, run.control.total_skipped))
-        return result
-
-    monkeypatch.setattr(step_module, "block_loss", loss_with_nan)
-    monkeypatch.setattr(step_module.DrafterStep, "__call__", watched_step)
+    seen = []  # (step, flag ready when made, total_skipped as the step began)
+    snapshots = poison_steps(run, monkeypatch, {4, 6, 7, 8}, on_result=lambda n, result: seen.append(
+        (n, result.ready, run.control.total_skipped)))
     with pytest.raises(TrainingStopped, match="3 consecutive non-finite steps"):
         train_drafter(run)
-    before, after = snapshots["before"], snapshots["after"]
-    for k, v in before[0].items():
-        assert torch.equal(v, after[0][k]), k
-    for k, s in before[1].items():
-        for n, t in s.items():
-            assert torch.equal(torch.as_tensor(t), torch.as_tensor(after[1][k][n])), (k, n)
+    assert_unchanged(snapshots)
     assert all(not ready for _, ready, _ in seen)  # every flag stayed on the "device" when made
     # total_skipped as each step began: step 4's skip was counted at step 5 (a log step)
     assert [(n, total) for n, _, total in seen] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1),
