@@ -26,9 +26,11 @@ QWEN_CODER_TARGET = "bundled:qwen2.5-coder-0.5b-instruct"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
-# flex_attention kernel options train.flex_kernel_options may set.
+# flex_attention kernel options train.flex_kernel_options may set (fwd_ / bwd_: the forward's or
+# the backward's kernel only).
 FLEX_KERNEL_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-                       "num_warps", "num_stages")
+                       "num_warps", "num_stages", "fwd_num_warps", "fwd_num_stages", "bwd_num_warps",
+                       "bwd_num_stages")
 
 
 @dataclass
@@ -179,8 +181,9 @@ class TrainSection:
     flex_kernel_options: Optional[dict[str, Union[int, bool]]] = None
     """Options of the drafter's flex attention kernels on CUDA (flex_attention's
     `kernel_options`): forward tile sizes BLOCK_M / BLOCK_N, backward BLOCK_M1 / BLOCK_N1 /
-    BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages.
-    null (default): 64 x 64 forward tiles for drafters of head dim 64 or less (the forward
+    BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages
+    (both kernels), or fwd_num_warps / bwd_num_warps / fwd_num_stages / bwd_num_stages (one kernel
+    each). A setting replaces the default as a whole. null (default): 64 x 64 forward tiles for drafters of head dim 64 or less (the forward
     kernel ran 2.8x faster than with torch's choice on SmolLM2's shape), torch's choice
     otherwise; {}: always torch's choice. docs/PERFORMANCE.md has the measurements."""
     max_consecutive_skips: int = 10
@@ -580,6 +583,8 @@ def validate(cfg: Config) -> list[str]:
         elif key.startswith("BLOCK_") and (not isinstance(value, int) or value < 16 or 128 % value):
             p.append(f"train.flex_kernel_options.{key} must divide the BlockMask's 128-token tiles "
                      f"(16, 32, 64 or 128), got {value!r}")
+        elif key.endswith(("num_warps", "num_stages")) and (type(value) is not int or value < 1):
+            p.append(f"train.flex_kernel_options.{key} must be a positive integer, got {value!r}")
     if cfg.train.fp8 is not None and importlib.util.find_spec("torchao") is None:
         p.append(f"train.fp8={cfg.train.fp8} but the torchao package is not installed: pip install 'dflash-train[fp8]'")
     s = cfg.train.anchor_buckets_per_doubling

@@ -64,7 +64,9 @@ def test_compiled_flex_equals_dense_forward_and_backward(window):
         assert rel < 1e-4, (name, float(rel))
 
 
-@pytest.mark.parametrize("options", [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}])
+@pytest.mark.parametrize("options", [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+                                     {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4,
+                                      "bwd_num_stages": 2}])
 def test_flex_kernel_options_change_tiles_not_results(options):
     """train.flex_kernel_options reach the compiled kernels and leave forward and gradients
     those of the dense path."""
