@@ -189,7 +189,6 @@ class BlockLayout:
     num_ctx: int  # T
     doc_T: torch.Tensor  # document id per packed position
     anchors_N: torch.Tensor  # packed anchor position, -1 for padding blocks
-    anchor_doc_N: torch.Tensor  # document of each anchor, -2 for padding blocks
     block_pos_NB: torch.Tensor  # packed position each block token stands for
     rope_ctx_T: torch.Tensor  # in-document position of every context token
     rope_block_NB: torch.Tensor  # in-document position of every block token
@@ -223,6 +222,12 @@ class BlockLayout:
         clamped position; they carry no loss)."""
         return values_TX[self.block_pos_NB.clamp(0, self.num_ctx - 1).flatten()]
 
+    @property
+    def ctx_start_N(self) -> torch.Tensor:
+        """Packed start of each block's anchor document (the first context key it may see);
+        for padding blocks the anchor itself (-1), an empty range."""
+        return self.anchors_N - self.rope_block_NB[:, 0]
+
     def visible_pairs(self, sliding_window: int | None = None) -> torch.Tensor:
         """Visible (query, key) pairs of the real blocks under the mask rule (a device scalar):
         the attention work a mask-aware kernel must do. Padding blocks are not counted."""
@@ -232,7 +237,7 @@ class BlockLayout:
 
     def mask_mod(self, sliding_window: int | None = None) -> MaskMod:
         """The mask rule for this layout (see `block_mask_mod`)."""
-        return block_mask_mod(self.doc_T, self.anchors_N, self.anchor_doc_N, self.block_size, sliding_window)
+        return block_mask_mod(self.anchors_N, self.ctx_start_N, self.num_ctx, self.block_size, sliding_window)
 
 
 def visible_pairs(ctx_offsets_N: torch.Tensor, num_real_blocks, block_size: int,
@@ -271,7 +276,6 @@ def build_layout(
     ends = torch.cat([starts[1:], starts.new_full((1,), T)])
     pad_N = anchors_N < 0
     a_N = anchors_N.clamp(min=0)
-    anchor_doc_N = torch.where(pad_N, torch.full_like(a_N, -2), doc_T[a_N])
     offsets_B = torch.arange(block_size, device=device)
     pos_NB = a_N[:, None] + offsets_B[None, :]
     start_N = starts[doc_T[a_N]]
@@ -287,7 +291,6 @@ def build_layout(
         num_ctx=T,
         doc_T=doc_T,
         anchors_N=anchors_N,
-        anchor_doc_N=anchor_doc_N,
         block_pos_NB=pos_NB,
         rope_ctx_T=rope_ctx_T,
         rope_block_NB=rope_block_NB,
@@ -296,35 +299,43 @@ def build_layout(
 
 
 def block_mask_mod(
-    doc_T: torch.Tensor,
     anchors_N: torch.Tensor,
-    anchor_doc_N: torch.Tensor,
+    ctx_start_N: torch.Tensor,
+    num_ctx: int,
     block_size: int,
     sliding_window: int | None = None,
 ) -> MaskMod:
-    """THE mask rule. Query row q belongs to block n = q // B (offset q % B, anchor a = anchors_N[n]).
+    """THE mask rule. Query row q belongs to block n = q // B (offset q % B, anchor a = anchors_N[n],
+    its document starting at packed position s = ctx_start_N[n]).
 
     A context key at packed position p is visible iff it is in the anchor's document and p < a
-    (strictly: the target's feature at the anchor itself is not available at inference).
-    A block key is visible iff it belongs to the same block: bidirectional, or causal under a
-    sliding window W, where context keys must also satisfy p > a + (q % B) - W.
-    No other block is ever visible. Padding blocks (anchor -1) see only themselves.
+    (strictly: the target's feature at the anchor itself is not available at inference); the
+    documents of a packed row are contiguous, so that is s <= p < a. A block key is visible iff it
+    belongs to the same block: bidirectional, or causal under a sliding window W, where context
+    keys must also satisfy p > a + (q % B) - W. No other block is ever visible. Padding blocks
+    (anchor -1) see only themselves.
+
+    Written as two ranges per row, read with gathers on the query side only: inside a partial
+    tile the flex kernels evaluate it per (query, key) pair, in the forward and twice in the
+    backward. Gathering the document of every key instead cost flex's forward 8.80 ms against
+    6.70, and its backward 27.9 against 24.7 ms, per step of SmolLM2's shape on one H200
+    (docs/PERFORMANCE.md).
     """
-    T = doc_T.numel()
+    T = int(num_ctx)
     B = block_size
+    anchors_N = anchors_N.to(torch.int32)
+    ctx_start_N = ctx_start_N.to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):
         block_q = q_idx // B
         anchor = anchors_N[block_q]
-        is_ctx = kv_idx < T
-        p = torch.clamp(kv_idx, max=T - 1)
-        ctx_ok = is_ctx & (doc_T[p] == anchor_doc_N[block_q]) & (p < anchor)
-        block_kv = torch.clamp(kv_idx - T, min=0) // B
-        blk_ok = ~is_ctx & (block_kv == block_q)
+        ctx_ok = (kv_idx >= ctx_start_N[block_q]) & (kv_idx < anchor)  # anchor <= T - 1: context only
+        blk_lo = T + block_q * B
+        blk_ok = (kv_idx >= blk_lo) & (kv_idx < blk_lo + B)
         if sliding_window is not None:
             q_off = q_idx % B
-            ctx_ok = ctx_ok & (p > anchor + q_off - sliding_window)
-            blk_ok = blk_ok & ((kv_idx - T) % B <= q_off)
+            ctx_ok = ctx_ok & (kv_idx > anchor + q_off - sliding_window)
+            blk_ok = blk_ok & (kv_idx - blk_lo <= q_off)
         return ctx_ok | blk_ok
 
     return mask_mod

@@ -326,7 +326,7 @@ def test_training_cannot_see_the_future():
 
     def leaky(layout):  # context visible up to and including the first predicted position
         shifted = layout.anchors_N + 2
-        mod = block_mask_mod(layout.doc_T, shifted, layout.anchor_doc_N, layout.block_size)
+        mod = block_mask_mod(shifted, layout.ctx_start_N, layout.num_ctx, layout.block_size)
         Q = layout.num_blocks * layout.block_size
         return dense_mask(mod, Q, layout.num_ctx + Q, "cpu")
 

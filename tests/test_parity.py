@@ -136,9 +136,9 @@ def test_parity_check_catches_context_visible_at_the_anchor(tmp_path, monkeypatc
 
     rule = masks.block_mask_mod
 
-    def leaky(doc_T, anchors_N, anchor_doc_N, block_size, sliding_window=None):
-        base = rule(doc_T, anchors_N, anchor_doc_N, block_size, sliding_window)
-        T = doc_T.numel()
+    def leaky(anchors_N, ctx_start_N, num_ctx, block_size, sliding_window=None):
+        base = rule(anchors_N, ctx_start_N, num_ctx, block_size, sliding_window)
+        T = num_ctx
 
         def mask_mod(b, h, q_idx, kv_idx):
             return base(b, h, q_idx, kv_idx) | (kv_idx == anchors_N[q_idx // block_size].clamp(max=T - 1))
