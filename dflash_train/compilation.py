@@ -63,10 +63,13 @@ class Compilation:
             compile_target_layers(target)
 
 
-SMALL_HEAD_FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
-"""The forward tiles for head dims <= 64: on one H200, SmolLM2's shape (head dim 64, the
-`smollm2` bench) ran flex attention's forward 2.8x faster than with torch's choice, and the
-whole step 1.30x (docs/PERFORMANCE.md)."""
+SMALL_HEAD_FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                           "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2}
+"""The kernel options for head dims <= 64, measured on one H200 with SmolLM2's shape (head dim
+64, the `smollm2` bench; docs/PERFORMANCE.md): 64 x 64 forward tiles ran flex attention's
+forward 2.8x faster than torch's choice and the step 1.30x; 64-row and 64-key backward tiles with
+4 warps and 2 pipeline stages (torch's: 64/128/128/64 with 8 warps, 3 stages) then took flex's
+backward from 24.7 to 22.8-23.0 ms per step (8 warps on the same tiles: 43.6 ms)."""
 
 
 def flex_kernel_options(configured: dict | None, head_dim: int | None) -> dict:

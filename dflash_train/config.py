@@ -177,15 +177,20 @@ class TrainSection:
     row ("rowwise"), or per row with the weight gradient's product kept in bf16
     ("rowwise_with_gw_hp"). The master weights, the optimizer, the target and the lm_head stay
     as they are. CUDA GPUs of compute capability 8.9 or newer; the `fp8` extra. null (the
-    default): off. docs/PERFORMANCE.md has what each recipe measured."""
+    default): off: on the real SmolLM2 run, "tensorwise" served tau 2.489 against 2.550 and 2.580
+    for two bf16 seeds (docs/QUALITY.md), and the step of a target this small runs slower.
+    docs/PERFORMANCE.md has what each recipe measured for speed."""
     flex_kernel_options: Optional[dict[str, Union[int, bool]]] = None
     """Options of the drafter's flex attention kernels on CUDA (flex_attention's
     `kernel_options`): forward tile sizes BLOCK_M / BLOCK_N, backward BLOCK_M1 / BLOCK_N1 /
     BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages
     (both kernels), or fwd_num_warps / bwd_num_warps / fwd_num_stages / bwd_num_stages (one kernel
-    each). A setting replaces the default as a whole. null (default): 64 x 64 forward tiles for drafters of head dim 64 or less (the forward
-    kernel ran 2.8x faster than with torch's choice on SmolLM2's shape), torch's choice
-    otherwise; {}: always torch's choice. docs/PERFORMANCE.md has the measurements."""
+    each). A setting replaces the default as a whole.
+    null (default): for drafters of head dim 64 or less 64 x 64 tiles in
+    both kernels and a backward of 4 warps and 2 stages (compilation.SMALL_HEAD_FLEX_OPTIONS: on
+    SmolLM2's shape the step ran 1.30x faster with the forward's tiles, and the backward's
+    options took flex's backward from 24.7 to 22.8-23.0 ms per step), torch's choice otherwise; {}: always torch's
+    choice. docs/PERFORMANCE.md has the measurements."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     max_consecutive_batch_failures: int = 5

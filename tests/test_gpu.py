@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from dflash_train.compilation import compile_flex_attention
+from dflash_train.compilation import SMALL_HEAD_FLEX_OPTIONS, compile_flex_attention, flex_kernel_options
 from dflash_train.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.loss import block_loss
 from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
@@ -65,11 +65,11 @@ def test_compiled_flex_equals_dense_forward_and_backward(window):
 
 
 @pytest.mark.parametrize("options", [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
-                                     {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4,
-                                      "bwd_num_stages": 2}])
+                                     SMALL_HEAD_FLEX_OPTIONS])
 def test_flex_kernel_options_change_tiles_not_results(options):
     """train.flex_kernel_options reach the compiled kernels and leave forward and gradients
-    those of the dense path."""
+    those of the dense path (SMALL_HEAD_FLEX_OPTIONS: the default for this head dim, 64)."""
+    assert flex_kernel_options(None, 64) == SMALL_HEAD_FLEX_OPTIONS  # _setup: head dim 64
     torch.backends.cuda.matmul.allow_tf32 = False
     drafter, layout, feats, embed, _ = _setup(seed=2)
     out_o, grads_o = _run(drafter, layout, feats, embed, "flex", options)
