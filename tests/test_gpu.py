@@ -87,6 +87,7 @@ def test_fp8_drafter_steps_on_gpu_track_bf16():
     """train.fp8 (each recipe) on the GPU with compiled layers (the bench's tiny workload, hidden 64):
     every linear layer of the drafter is a Float8Linear, and 8 steps' losses stay within a few
     percent of the bf16 run's, step by step."""
+    pytest.importorskip("torchao", reason="train.fp8 needs torchao (the fp8 extra)")
     from dflash_train import bench
     from dflash_train.train import take_step
 
