@@ -186,10 +186,10 @@ class TrainSection:
     BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages
     (both kernels), or fwd_num_warps / bwd_num_warps / fwd_num_stages / bwd_num_stages (one kernel
     each). A setting replaces the default as a whole.
-    null (default): for drafters of head dim 64 or less 64 x 64 tiles in
-    both kernels and a backward of 4 warps and 2 stages (compilation.SMALL_HEAD_FLEX_OPTIONS: on
-    SmolLM2's shape the step ran 1.30x faster with the forward's tiles, and the backward's
-    options took flex's backward from 24.7 to 22.8-23.0 ms per step), torch's choice otherwise; {}: always torch's
+    null (default): for drafters of head dim 64 or less, 64 x 64 tiles in both kernels and a
+    backward of 4 warps and 2 stages (compilation.SMALL_HEAD_FLEX_OPTIONS: on SmolLM2's shape the
+    step ran 1.30x faster with the forward's tiles, and the backward's options took flex's
+    backward from 24.7 to 22.8-23.0 ms per step); torch's choice otherwise; {}: always torch's
     choice. docs/PERFORMANCE.md has the measurements."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""

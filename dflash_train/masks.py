@@ -386,8 +386,7 @@ def layout_block_mask(layout: BlockLayout, sliding_window: int | None = None, bl
     k_R = rows_R % B
     a_R = layout.anchors_N[n_R]
     in_q_R = rows_R < Q
-    # Document start of the anchor (rope_block_NB[:, 0] is the anchor's in-document position).
-    ctx_lo_R = a_R - layout.rope_block_NB[n_R, 0]
+    ctx_lo_R = layout.ctx_start_N[n_R]  # the rule's own range: document start .. anchor - 1
     ctx_hi_R = a_R - 1
     blk_lo_R = T + n_R * B
     blk_hi_R = blk_lo_R + (B - 1)
