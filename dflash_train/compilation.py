@@ -8,10 +8,12 @@ Owns every torch.compile of training and benchmarks, decided from the config and
   head dim).
 - the drafter's layers (`train.compile`), each as a module, with torch's default shape
   handling (a second shape recompiles once, dynamic in the dimensions that changed).
-- the loss's per-chunk math (`train.compile`, CUDA only: there it is memory-bound passes over
-  [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches); one graph per
-  chunk shape (loss.block_loss pads the last chunk) and kind (hard labels, distillation), full
-  graph.
+- the loss's per-chunk math (`train.compile`, CUDA only, where `train.loss_kernel` leaves the
+  chunk to torch operations, i.e. distillation or loss_kernel=torch: there it is memory-bound
+  passes over [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches);
+  one graph for full chunks and one, rows dynamic, for a shorter last chunk, per kind (hard
+  labels, distillation), full graph. Hard labels on CUDA run the Triton kernel of
+  `loss_kernel.py` by default instead (`loss_kernel`).
 - the target's kept decoder layers (`target.compile`): each layer's forward only, so the
   hooks that tap its output run around it, eagerly; default shape handling, every bucket's
   shape seen during warm-up.
@@ -23,6 +25,7 @@ back to eager code late (eager flex attention would materialise the score matrix
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,9 @@ class Compilation:
     drafter_layers: bool
     loss_chunks: bool
     target_layers: bool
+    loss_kernel: str = "torch"
+    """What block_loss runs per chunk: "triton" (loss_kernel.py) or "torch" (compiled where
+    `loss_chunks`)."""
     flex_options: tuple = ()
     """The flex kernels' options as sorted (name, value) pairs (`flex_kernel_options`)."""
 
@@ -46,9 +52,11 @@ class Compilation:
         """From the config; `attention` is the drafter's resolved backend (flex | sdpa),
         `head_dim` the drafter's (for the flex kernels' default tiles)."""
         cuda = device.type == "cuda"
+        kernel = loss_kernel(cfg.train.loss_kernel, device, cfg.objective.labels)
         return cls(flex_attention=cuda and attention == "flex", drafter_layers=cfg.train.compile,
-                   loss_chunks=cuda and cfg.train.compile, target_layers=cfg.target.compile,
-                   flex_options=tuple(sorted(flex_kernel_options(cfg.train.flex_kernel_options, head_dim).items())))
+                   loss_chunks=cuda and cfg.train.compile and kernel == "torch", target_layers=cfg.target.compile,
+                   flex_options=tuple(sorted(flex_kernel_options(cfg.train.flex_kernel_options, head_dim).items())),
+                   loss_kernel=kernel)
 
     def apply(self, *, drafter=None, target=None) -> None:
         """Compile what this plan says of the parts a rank holds (None: a part it lacks). The
@@ -61,6 +69,24 @@ class Compilation:
             compile_drafter_layers(drafter)
         if self.target_layers and isinstance(target, Target):  # stand-ins without layers: nothing to compile
             compile_target_layers(target)
+
+
+def loss_kernel(setting: str, device: torch.device, labels: str) -> str:
+    """train.loss_kernel resolved for a device and objective.labels: "triton" or "torch"."""
+    from dflash_train.config import ConfigError
+
+    hard = labels != "distill"
+    if setting == "triton":
+        if device.type != "cuda":
+            raise ConfigError([f"train.loss_kernel=triton runs on CUDA GPUs, and this run's device is {device.type}: "
+                               f"set train.loss_kernel to auto or torch"])
+        if not hard:
+            raise ConfigError(["train.loss_kernel=triton scores hard labels, not objective.labels=distill: "
+                               "set train.loss_kernel to auto or torch"])
+        return "triton"
+    if setting == "auto" and device.type == "cuda" and hard and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
 
 
 SMALL_HEAD_FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,

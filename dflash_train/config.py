@@ -161,7 +161,14 @@ class TrainSection:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Drafter attention: auto = flex on CUDA, sdpa (dense mask) on CPU."""
     compile: bool = False
-    """torch.compile the drafter layers and, on CUDA, the lm_head loss's per-chunk math."""
+    """torch.compile the drafter layers and, on CUDA, the lm_head loss's per-chunk math (where
+    `loss_kernel` leaves it to torch)."""
+    loss_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """What computes the loss between the lm_head's two matrix products (log-softmax, argmax,
+    the label's log-probability, the softmax the input gradient multiplies): triton = one
+    Triton kernel per chunk (`loss_kernel.py`; CUDA, hard labels, i.e. objective.labels data or
+    target); torch = torch operations (compiled with `compile` on CUDA); auto = triton where it
+    applies, torch otherwise (CPU, objective.labels=distill). docs/PERFORMANCE.md has the A/B."""
     anchor_multiple: int = 64
     """Anchor (block) counts per packed row are padded up to a multiple of this (then to the
     buckets of `anchor_buckets_per_doubling`), and packed rows to data.token_budget tokens: a
@@ -590,6 +597,11 @@ def validate(cfg: Config) -> list[str]:
                      f"(16, 32, 64 or 128), got {value!r}")
         elif key.endswith(("num_warps", "num_stages")) and (type(value) is not int or value < 1):
             p.append(f"train.flex_kernel_options.{key} must be a positive integer, got {value!r}")
+    if cfg.train.loss_kernel == "triton" and cfg.objective.labels == "distill":
+        p.append("train.loss_kernel=triton scores hard labels, not objective.labels=distill: "
+                 "set train.loss_kernel to auto or torch")
+    if cfg.train.loss_kernel == "triton" and cfg.train.device == "cpu":
+        p.append("train.loss_kernel=triton runs on CUDA GPUs, not train.device=cpu: set train.loss_kernel to auto or torch")
     if cfg.train.fp8 is not None and importlib.util.find_spec("torchao") is None:
         p.append(f"train.fp8={cfg.train.fp8} but the torchao package is not installed: pip install 'dflash-train[fp8]'")
     s = cfg.train.anchor_buckets_per_doubling

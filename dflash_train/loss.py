@@ -153,10 +153,13 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     `compiled`, every chunk but the last has `chunk_rows` rows (one static graph); a last,
     shorter chunk runs its own graph, compiled once with the row count dynamic, on its rows
     only (before 2026-12-03 it was padded to `chunk_rows` with zeros, lm_head work for nothing).
+    `kernel="triton"` (hard labels only): each chunk, whatever its rows, runs
+    `loss_kernel.triton_hard_chunk_loss` (the same math, its element-wise middle one kernel).
     """
 
     @staticmethod
-    def forward(ctx, hidden_MH, weight_VH, labels_M, target_MH, chunk_rows: int, compiled: bool):
+    def forward(ctx, hidden_MH, weight_VH, labels_M, target_MH, chunk_rows: int, compiled: bool,
+                kernel: str = "torch"):
         M = hidden_MH.shape[0]
         device = hidden_MH.device
         need_grad = ctx.needs_input_grad[0]
@@ -166,7 +169,13 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         scored_M = torch.empty(M, dtype=torch.long, device=device) if soft else labels_M
         logq_M = torch.empty(M, dtype=torch.float32, device=device)
         grad_MH = torch.empty_like(hidden_MH) if need_grad else None
-        if compiled:
+        if kernel == "triton":
+            from dflash_train.loss_kernel import triton_hard_chunk_loss
+
+            assert not soft, "the Triton loss kernel scores hard labels"
+            full = tail = triton_hard_chunk_loss
+            compiled = False
+        elif compiled:
             from dflash_train.compilation import loss_chunk
 
             full, tail = loss_chunk(soft), loss_chunk(soft, tail=True)
@@ -201,7 +210,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for s in range(0, grad_MH.shape[0], ctx.chunk_rows):
             e = s + ctx.chunk_rows
             out_MH[s:e] = grad_MH[s:e] * grad_row_M[s:e, None]
-        return (out_MH, None, None, None, None, None)
+        return (out_MH, None, None, None, None, None, None)
 
 
 @dataclass
@@ -230,6 +239,7 @@ def block_loss(
     chunk_rows: int = ObjectiveSection.lm_head_chunk_rows,
     compile: bool = False,
     *,
+    kernel: str = "torch",
     target_hidden_MH: torch.Tensor | None = None,
     weighting: str = ObjectiveSection.weighting,
     dpace_alpha: float = ObjectiveSection.dpace_alpha,
@@ -249,11 +259,18 @@ def block_loss(
     each row by a detached function of the drafter's probability of its label and normalise by
     the number of supervised rows, so the weights keep their absolute size.
     `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
-    chunks are min(chunk_rows, R) long, the last one padded).
+    chunks are min(chunk_rows, R) long, the last one its own graph with dynamic rows).
+    `kernel`: "torch" (the chunk's math as torch operations, compiled with `compile`) or
+    "triton" (hard labels only: `loss_kernel.triton_hard_chunk_loss`, one Triton kernel
+    between the two cuBLAS products; CUDA, or Triton's interpreter on CPU).
     """
     M = hidden_MH.shape[0]
     assert M % block_size == 0, "rows must be whole blocks"
     assert not lm_head_weight_VH.requires_grad, "the target's lm_head is frozen"
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"block_loss kernel must be torch or triton, got {kernel!r}")
+    if kernel == "triton" and target_hidden_MH is not None:
+        raise ValueError("the Triton loss kernel scores hard labels: distillation (target_hidden_MH) needs kernel=torch")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"objective.weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
     N, K = M // block_size, block_size - 1
@@ -273,7 +290,7 @@ def block_loss(
         assert target_hidden_MH.shape == hidden_MH.shape, "one target hidden state per row"
         target_hidden_MH = rows_NK(target_hidden_MH.to(lm_head_weight_VH.dtype))
     row_R, preds_R, scored_R, logq_R = _ChunkedLinearLoss.apply(
-        rows_NK(hidden_MH), lm_head_weight_VH, labels_R, target_hidden_MH, chunk_rows, compile
+        rows_NK(hidden_MH), lm_head_weight_VH, labels_R, target_hidden_MH, chunk_rows, compile, kernel
     )
     with torch.no_grad():
         if weighting == "decay":

@@ -70,9 +70,10 @@ class DrafterStep:
 
     def __init__(self, cfg, drafter, heads, *, dist, device: torch.device, attention: str,
                  compile_loss: bool, noise: FeatureNoise, micro_per_step: int, total_steps: int,
-                 faults, acc, timer) -> None:
+                 faults, acc, timer, loss_kernel: str = "torch") -> None:
         self.cfg, self.drafter, self.heads = cfg, drafter, heads
         self.dist, self.device, self.attention, self.compile_loss = dist, device, attention, compile_loss
+        self.loss_kernel = loss_kernel
         self.noise, self.micro_per_step = noise, micro_per_step
         self.faults, self.acc, self.timer = faults, acc, timer
         o = cfg.optim
@@ -169,6 +170,7 @@ class DrafterStep:
         out = block_loss(hidden[:M].to(lm_head.dtype), lm_head, layout.labels(s.labels_T)[:M],
                          layout.valid_NB.flatten()[:M], d.block_size, gamma=o.gamma,
                          chunk_rows=o.lm_head_chunk_rows, compile=self.compile_loss,
+                         kernel=self.loss_kernel,
                          target_hidden_MH=target_hidden, weighting=o.weighting, dpace_alpha=o.dpace_alpha)
         out.loss_sum = self.faults.poison_loss(s.index // self.micro_per_step + 1, out.loss_sum)
         self.acc.add_loss(out)

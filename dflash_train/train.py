@@ -294,7 +294,8 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
             converted = fp8_linear_layers(drafter, cfg.train.fp8)
             lead_log(f"train.fp8={cfg.train.fp8}: float8 matrix products in {len(converted)} linear layers of the drafter")
         step = DrafterStep(cfg, drafter, _heads(cfg, device, target, build_target, build_heads), dist=dist,
-                           device=device, attention=attention, compile_loss=compilation.loss_chunks, noise=noise,
+                           device=device, attention=attention, compile_loss=compilation.loss_chunks,
+                           loss_kernel=compilation.loss_kernel, noise=noise,
                            micro_per_step=M, total_steps=total_steps, faults=faults,
                            acc=Accumulator(drafter.block_size, device), timer=timer)
     compilation.apply(drafter=step.drafter if step is not None else None, target=target)

@@ -1,6 +1,6 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
-with hard labels and with distillation;
+with hard labels and with distillation, and the Triton loss kernel against the torch chunk;
 the BlockMask read off the layout against create_block_mask, with no host sync; the side-stream
 packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
@@ -160,6 +160,46 @@ def test_compiled_loss_chunks_equal_eager_on_gpu():
     assert ((g_comp - g_eager).norm() / g_eager.norm()).item() < 2e-2
     assert abs(ng_comp.loss_sum.item() - comp.loss_sum.item()) / comp.loss_sum.item() < 1e-3
     assert (comp.correct_K - eager.correct_K).abs().sum().item() <= 2  # bf16 near-ties may differ
+
+
+@pytest.mark.parametrize("V", [5000, 49152, 151936])
+def test_triton_loss_kernel_equals_the_torch_chunk_on_gpu(V):
+    """train.loss_kernel=triton's chunk (loss_kernel.triton_hard_chunk_loss) against the eager
+    torch chunk on the same bf16 logits, at SmolLM2's and Qwen's vocabularies: loss and label
+    log-probability, argmax exactly, the input gradient (bf16, rounded once each way)."""
+    from dflash_train.loss import hard_chunk_loss
+    from dflash_train.loss_kernel import triton_hard_chunk_loss
+
+    hidden, weight, labels, _ = random_loss_inputs(5, 1000, V)
+    labels[0], labels[1] = 0, V - 1
+    loss, preds, picked, grad = triton_hard_chunk_loss(hidden, weight, labels, True)
+    t_loss, t_preds, t_picked, t_grad = hard_chunk_loss(hidden, weight, labels, True)
+    torch.testing.assert_close(loss, t_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(picked, t_picked, atol=1e-4, rtol=1e-5)
+    assert torch.equal(preds, t_preds)
+    assert ((grad.float() - t_grad.float()).norm() / t_grad.float().norm()).item() < 1e-2
+    n_loss, n_preds, _, n_grad = triton_hard_chunk_loss(hidden, weight, labels, False)
+    assert n_grad is None and torch.equal(n_loss, loss) and torch.equal(n_preds, preds)
+
+
+def test_block_loss_with_the_triton_kernel_equals_the_compiled_chunks_on_gpu():
+    """block_loss(kernel=triton), as the trainer runs it by default on CUDA, against the compiled
+    torch chunks: chunks of 256 rows and a shorter last one, loss, gradient, statistics, and the
+    no-grad path."""
+    hidden, weight, labels, valid = random_loss_inputs(1, 40 * B)
+    outs = []
+    for kw in (dict(compile=True), dict(kernel="triton")):
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, **kw)  # 256 + 256 + 88 scored rows
+        out.loss_sum.backward()
+        with torch.no_grad():
+            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, **kw)
+        outs.append((out, h.grad.float(), again))
+    (comp, g_comp, _), (kern, g_kern, ng_kern) = outs
+    assert abs(kern.loss_sum.item() - comp.loss_sum.item()) / comp.loss_sum.item() < 1e-4
+    assert ((g_kern - g_comp).norm() / g_comp.norm()).item() < 1e-2
+    assert ng_kern.loss_sum.item() == kern.loss_sum.item()
+    assert (kern.correct_K - comp.correct_K).abs().sum().item() <= 2  # inductor's argmax on near-ties
 
 
 @pytest.mark.parametrize("compile", [False, True])
