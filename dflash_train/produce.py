@@ -109,6 +109,17 @@ def previous_index(lengths: list[int], padded_len: int) -> torch.Tensor:
     return torch.cat([(torch.arange(n) - 1).clamp(min=0) + r * padded_len for r, n in enumerate(lengths)])
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without making the host wait. On CUDA the copy goes
+    through pinned memory: a copy from pageable memory may return only once the stream has
+    reached it, i.e. after the work queued before it (sampled on one H200, the host spent 12.6%
+    of the smollm2 step waiting in one such copy in `pack`), while a pinned one is queued and
+    returns at once (the caching host allocator keeps the pinned block until the copy is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to: int,
          noise: FeatureNoise | None) -> Shipment:
     """Drop the padding of `batch` (global micro-batch `index`), lay its rows end to end in
@@ -124,7 +135,7 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
     device = parts[0].device
     b, L, _ = parts[0].shape
     lengths = batch.lengths.tolist()
-    flat = pack_index(lengths, L).to(device, non_blocking=True)
+    flat = to_device(pack_index(lengths, L), device)
     T = flat.numel()
     T_pad = max(T, pad_to)
     packed_parts = []
@@ -134,11 +145,11 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
         feats[:T] = part.reshape(b * L, F).index_select(0, flat)
         packed_parts.append(feats)
     feats = packed_parts if split or noise is None else noise(packed_parts[0], index)
-    input_ids_bL = batch.input_ids.to(device, non_blocking=True)
+    input_ids_bL = to_device(batch.input_ids, device)
     ids = torch.zeros(T_pad, dtype=torch.long, device=device)
     ids[:T] = input_ids_bL.reshape(-1).index_select(0, flat)
     mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
-    mask[:T] = batch.loss_mask.to(device, non_blocking=True).reshape(-1).to(torch.bool).index_select(0, flat)
+    mask[:T] = to_device(batch.loss_mask, device).reshape(-1).to(torch.bool).index_select(0, flat)
     greedy_bL = head_out if head_out is not None and not head_out.is_floating_point() else None
     if greedy_bL is None:
         labels = ids
@@ -151,10 +162,10 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
     if head_out is not None and head_out.is_floating_point():
         # Position p gets the state at p - 1 (same row), which predicts token p; a document's
         # first position is never a block target and gets its own state.
-        previous = previous_index(lengths, L).to(device, non_blocking=True)
+        previous = to_device(previous_index(lengths, L), device)
         target_hidden = torch.zeros(T_pad, head_out.shape[-1], dtype=head_out.dtype, device=device)
         target_hidden[:T] = head_out.reshape(b * L, -1).index_select(0, previous)
-    doc_lengths = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    doc_lengths = to_device(torch.tensor(lengths, dtype=torch.long), device)
     return Shipment(index, False, feats, ids, mask, labels, doc_lengths, target_hidden, num_tokens=T,
                     **batch_stats(batch))
 
@@ -240,7 +251,7 @@ class Producer:
         step = index // self.micro_per_step + 1  # the 1-based optimizer step that trains on it
         try:
             self.faults.target_forward(step)
-            ids = batch.input_ids.to(self.device, non_blocking=True)
+            ids = to_device(batch.input_ids, self.device)
             captured = self.target.capture(ids, concat=False) if self.split_fc else self.target.capture(ids)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             failure = f"{type(err).__name__}: {err}"

@@ -362,6 +362,22 @@ def test_target_capture_on_gpu_waits_for_nothing(compiled):
     assert torch.equal(got, want)
 
 
+def test_host_tensors_reach_the_gpu_without_the_host_waiting():
+    """produce.to_device: the copy is queued behind a busy stream and the call returns before
+    the stream gets to it (the stream is still busy afterwards), with the right values. (On the
+    H200 where it was written, one pageable copy of this size alone returned at once too; the
+    host was sampled waiting in such a copy in `pack`, after others: docs/PERFORMANCE.md.)"""
+    from dflash_train.produce import to_device
+
+    src = torch.arange(1 << 17)  # 1 MiB of int64, pageable, as the collated batches are
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # keeps the current stream busy for about a second
+    out = to_device(src, torch.device("cuda"))
+    still_busy = not torch.cuda.current_stream().query()
+    assert torch.equal(out.cpu(), src)
+    assert still_busy, "to_device waited for the work queued before it"
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["concat", "split-fc"])
 def test_side_stream_packer_equals_the_plain_packer(split):
     """SidePacker packs on its own CUDA stream; what it returns equals `pack` on the current
