@@ -112,8 +112,8 @@ def previous_index(lengths: list[int], padded_len: int) -> torch.Tensor:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor copied to `device` without making the host wait. On CUDA the copy goes
     through pinned memory: a copy from pageable memory may return only once the stream has
-    reached it, i.e. after the work queued before it (sampled on one H200, the host spent 12.6%
-    of the smollm2 step waiting in one such copy in `pack`), while a pinned one is queued and
+    reached it, i.e. after the work queued before it (sampled on one H200, 12.6% of the
+    smollm2 step's main-thread samples waited in one such copy in `pack`), while a pinned one is queued and
     returns at once (the caching host allocator keeps the pinned block until the copy is done)."""
     if device.type != "cuda":
         return t.to(device)
