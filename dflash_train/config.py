@@ -205,7 +205,9 @@ class TrainSection:
     run's global micro-batch order whatever the topology (each failure, e.g. out of memory on an
     unusual shape, is logged and its micro-batch skipped)."""
     num_threads: int | None = None
-    """CPU intra-op threads (default: torch's choice)."""
+    """CPU intra-op threads (torch.set_num_threads). Default: 1 where the run's device is a GPU
+    (the host's CPU tensor work there is small bookkeeping whose parallel regions stall when
+    other work shares the host's cores: docs/PERFORMANCE.md), torch's choice on CPU."""
 
 
 @dataclass

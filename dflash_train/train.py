@@ -227,6 +227,15 @@ class Run:
     best: BestCheckpoint | None = None  # checkpoint.keep_best: the best walked tau so far
 
 
+def intra_op_threads(setting: int | None, device: torch.device) -> int | None:
+    """train.num_threads resolved for a run's device: the setting, else 1 on a GPU (the host's
+    CPU tensor work is small bookkeeping whose parallel regions stall when the host is busy:
+    docs/PERFORMANCE.md) and torch's choice (None) on CPU."""
+    if setting:
+        return setting
+    return 1 if device.type == "cuda" else None
+
+
 def build(cfg: Config, log=print, *, target_config=None, build_target=None, build_heads=None, dataset=None,
           checkpointing: bool = True, dist: Dist | None = None) -> Run:
     """One rank's run from `cfg`. Alone (no torchrun) the rank is target and drafter at once;
@@ -248,8 +257,9 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     prefix = f"{dist.name()}: " if dist.world_size > 1 else ""
     log_any = lambda text: log(prefix + text)  # noqa: E731
     lead_log = dist.log_fn(log)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    threads = intra_op_threads(cfg.train.num_threads, device)
+    if threads:
+        torch.set_num_threads(threads)
     # Everything cheap and checkable first: config errors surface before heavy loading.
     target_dir = tokenizer = None
     if target_config is None:

@@ -157,3 +157,16 @@ def test_performance_settings_are_checked_and_resolved():
                                            {"BLOCK_M1": 64, "bwd_num_stages": 2})):
         plan = Compilation.decide(load_config(None, overrides), cuda, "flex", head_dim=head_dim)
         assert dict(plan.flex_options) == expected, (overrides, head_dim)
+
+
+def test_intra_op_threads_default_to_one_on_a_gpu():
+    """train.num_threads: a setting wins; unset, a GPU run's host uses one intra-op thread and a
+    CPU run keeps torch's choice."""
+    import torch
+
+    from dflash_train.train import intra_op_threads
+
+    assert intra_op_threads(None, torch.device("cuda")) == 1
+    assert intra_op_threads(None, torch.device("cpu")) is None
+    assert intra_op_threads(4, torch.device("cuda")) == 4
+    assert intra_op_threads(3, torch.device("cpu")) == 3
