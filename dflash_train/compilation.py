@@ -73,18 +73,14 @@ class Compilation:
 
 def loss_kernel(setting: str, device: torch.device, labels: str) -> str:
     """train.loss_kernel resolved for a device and objective.labels: "triton" or "torch"."""
-    from dflash_train.config import ConfigError
+    from dflash_train.config import ConfigError, loss_kernel_problems
 
-    hard = labels != "distill"
+    problems = loss_kernel_problems(setting, device.type, labels)
+    if problems:
+        raise ConfigError(problems)
     if setting == "triton":
-        if device.type != "cuda":
-            raise ConfigError([f"train.loss_kernel=triton runs on CUDA GPUs, and this run's device is {device.type}: "
-                               f"set train.loss_kernel to auto or torch"])
-        if not hard:
-            raise ConfigError(["train.loss_kernel=triton scores hard labels, not objective.labels=distill: "
-                               "set train.loss_kernel to auto or torch"])
         return "triton"
-    if setting == "auto" and device.type == "cuda" and hard and importlib.util.find_spec("triton") is not None:
+    if setting == "auto" and device.type == "cuda" and labels != "distill" and importlib.util.find_spec("triton"):
         return "triton"
     return "torch"
 

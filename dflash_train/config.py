@@ -540,6 +540,22 @@ def _locate(message: str, where) -> str:
     return message if located.endswith(f"defaults: {field_name}") else f"{located}: {message}"
 
 
+def loss_kernel_problems(setting: str, device: str, labels: str) -> list[str]:
+    """What rules out train.loss_kernel=`setting` for a device type ("auto" before it is
+    resolved: nothing yet) and objective.labels; validate checks the config, and
+    compilation.loss_kernel the resolved device."""
+    if setting != "triton":
+        return []
+    problems = []
+    if device not in ("auto", "cuda"):
+        problems.append(f"train.loss_kernel=triton runs on CUDA GPUs, and this run's device is {device}: "
+                        f"set train.loss_kernel to auto or torch")
+    if labels == "distill":
+        problems.append("train.loss_kernel=triton scores hard labels, not objective.labels=distill: "
+                        "set train.loss_kernel to auto or torch")
+    return problems
+
+
 def validate(cfg: Config) -> list[str]:
     """Value checks that need no model: ranges and consistency between fields."""
     p = []
@@ -599,11 +615,7 @@ def validate(cfg: Config) -> list[str]:
                      f"(16, 32, 64 or 128), got {value!r}")
         elif key.endswith(("num_warps", "num_stages")) and (type(value) is not int or value < 1):
             p.append(f"train.flex_kernel_options.{key} must be a positive integer, got {value!r}")
-    if cfg.train.loss_kernel == "triton" and cfg.objective.labels == "distill":
-        p.append("train.loss_kernel=triton scores hard labels, not objective.labels=distill: "
-                 "set train.loss_kernel to auto or torch")
-    if cfg.train.loss_kernel == "triton" and cfg.train.device == "cpu":
-        p.append("train.loss_kernel=triton runs on CUDA GPUs, not train.device=cpu: set train.loss_kernel to auto or torch")
+    p += loss_kernel_problems(cfg.train.loss_kernel, cfg.train.device, cfg.objective.labels)
     if cfg.train.fp8 is not None and importlib.util.find_spec("torchao") is None:
         p.append(f"train.fp8={cfg.train.fp8} but the torchao package is not installed: pip install 'dflash-train[fp8]'")
     s = cfg.train.anchor_buckets_per_doubling

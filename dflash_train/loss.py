@@ -174,7 +174,6 @@ class _ChunkedLinearLoss(torch.autograd.Function):
 
             assert not soft, "the Triton loss kernel scores hard labels"
             full = tail = triton_hard_chunk_loss
-            compiled = False
         elif compiled:
             from dflash_train.compilation import loss_chunk
 
@@ -187,7 +186,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             chunk = full
             if e - s < chunk_rows:
                 chunk = tail
-                if compiled:  # one graph for any row count (a hint: a 1-row tail gets its own)
+                if compiled and kernel == "torch":  # one graph for any row count (a 1-row tail gets its own)
                     torch._dynamo.maybe_mark_dynamic(h, 0)
                     torch._dynamo.maybe_mark_dynamic(aux, 0)
             if soft:

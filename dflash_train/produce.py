@@ -112,16 +112,16 @@ def previous_index(lengths: list[int], padded_len: int) -> torch.Tensor:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor copied to `device` without making the host wait. On CUDA the copy goes
     through pinned memory: a copy from pageable memory may return only once the stream has
-    reached it, i.e. after the work queued before it (sampled on one H200, 12.6% of the
-    smollm2 step's main-thread samples waited in one such copy in `pack`), while a pinned one is queued and
-    returns at once (the caching host allocator keeps the pinned block until the copy is done)."""
+    reached it, i.e. after the work queued before it (sampled on one H200, 12.6% of the smollm2
+    step's main-thread samples waited in one such copy in `pack`), while a pinned one is queued
+    and returns at once (the caching host allocator keeps the pinned block until the copy is done)."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
 def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to: int,
-         noise: FeatureNoise | None) -> Shipment:
+         noise: FeatureNoise | None, input_ids_bL: torch.Tensor | None = None) -> Shipment:
     """Drop the padding of `batch` (global micro-batch `index`), lay its rows end to end in
     one packed row padded with zeros to `pad_to` tokens (at least the real count; the producer
     passes the token budget, so every packed row has one shape), and add `noise` to the
@@ -129,7 +129,9 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
     is packed alone and no noise is added (`context_features` adds it on the drafter side).
     `head_out` is what the target returned past its taps (target.Target.capture): None (the
     labels are the data), its greedy tokens [b, L] (the labels), or its final hidden state
-    [b, L, H] (distillation: shipped as `target_hidden_TH`, the labels stay the data)."""
+    [b, L, H] (distillation: shipped as `target_hidden_TH`, the labels stay the data).
+    `input_ids_bL`: the batch's ids already on the features' device (the ones the target read),
+    so that they are not copied again."""
     split = isinstance(features_bLF, (list, tuple))
     parts = list(features_bLF) if split else [features_bLF]
     device = parts[0].device
@@ -145,7 +147,8 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
         feats[:T] = part.reshape(b * L, F).index_select(0, flat)
         packed_parts.append(feats)
     feats = packed_parts if split or noise is None else noise(packed_parts[0], index)
-    input_ids_bL = to_device(batch.input_ids, device)
+    if input_ids_bL is None:
+        input_ids_bL = to_device(batch.input_ids, device)
     ids = torch.zeros(T_pad, dtype=torch.long, device=device)
     ids[:T] = input_ids_bL.reshape(-1).index_select(0, flat)
     mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
@@ -192,17 +195,17 @@ class SidePacker:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, batch, index: int, features_bLF, head_out, pad_to: int,
-                 noise: FeatureNoise | None) -> Shipment:
+                 noise: FeatureNoise | None, input_ids_bL: torch.Tensor | None = None) -> Shipment:
         if self.stream is None:
-            return pack(batch, index, features_bLF, head_out, pad_to, noise)
+            return pack(batch, index, features_bLF, head_out, pad_to, noise, input_ids_bL)
         parts = list(features_bLF) if isinstance(features_bLF, (list, tuple)) else [features_bLF]
         main = torch.cuda.current_stream(parts[0].device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            for t in (*parts, head_out):
+            for t in (*parts, head_out, input_ids_bL):
                 if t is not None:
                     t.record_stream(self.stream)
-            shipment = pack(batch, index, features_bLF, head_out, pad_to, noise)
+            shipment = pack(batch, index, features_bLF, head_out, pad_to, noise, input_ids_bL)
         main.wait_stream(self.stream)
         out_feats = shipment.features if isinstance(shipment.features, list) else [shipment.features]
         for t in (*out_feats, shipment.input_ids_T, shipment.loss_mask_T, shipment.labels_T, shipment.doc_lengths,
@@ -240,14 +243,17 @@ class Producer:
         captured = self.capture(index, batch)
         if captured is None:
             return Shipment.failure(index, batch)
-        features, head_out = captured
+        features, head_out, ids = captured
         self.timer.mark("pack")
-        shipment = self.packer(batch, index, features, head_out, self.pad_to, None if self.split_fc else self.noise)
+        shipment = self.packer(batch, index, features, head_out, self.pad_to, None if self.split_fc else self.noise,
+                               input_ids_bL=ids)
         if self.num_anchors is not None and not shipment.failed:
             shipment.anchor_count = anchor_count(batch.loss_mask, batch.lengths, self.num_anchors)
         return shipment
 
     def capture(self, index: int, batch):
+        """The target on `batch`: (features, head_out, the batch's ids on the device), or None
+        where the forward failed (logged)."""
         step = index // self.micro_per_step + 1  # the 1-based optimizer step that trains on it
         try:
             self.faults.target_forward(step)
@@ -256,7 +262,7 @@ class Producer:
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             failure = f"{type(err).__name__}: {err}"
         else:
-            return captured
+            return (*captured, ids)  # the ids on the device go on to `pack`
         # Outside the except block: the traceback (and the tensors its frames hold) is gone.
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

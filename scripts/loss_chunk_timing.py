@@ -52,7 +52,7 @@ def main() -> None:
         def products():
             return (h @ w.t()) @ w
 
-        rows = [("matmuls only", lambda: products()), ("torch compiled", lambda: compiled(h, w, labels, True))]
+        rows = [("matmuls only", products), ("torch compiled", lambda: compiled(h, w, labels, True))]
         for block in args.blocks:
             for warps in args.warps:
                 rows.append((f"triton block {block} warps {warps}",

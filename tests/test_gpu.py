@@ -378,12 +378,15 @@ def test_host_tensors_reach_the_gpu_without_the_host_waiting():
     assert still_busy, "to_device waited for the work queued before it"
 
 
+@pytest.mark.parametrize("given_ids", [False, True], ids=["host-ids", "device-ids"])
 @pytest.mark.parametrize("split", [False, True], ids=["concat", "split-fc"])
-def test_side_stream_packer_equals_the_plain_packer(split):
+def test_side_stream_packer_equals_the_plain_packer(split, given_ids):
     """SidePacker packs on its own CUDA stream; what it returns equals `pack` on the current
     stream, bit for bit (noise included). Both orderings are exercised: the features come late
     on the current stream (the side stream must wait for them) and the side stream is busy when
-    the packer is called (the current stream must wait for the packed row before reading it)."""
+    the packer is called (the current stream must wait for the packed row before reading it).
+    `given_ids`: as the Producer calls it, with the batch's ids already copied to the GPU on the
+    current stream (the copy the target read), late like the features."""
     from dflash_train.batching import Batch
     from dflash_train.produce import FeatureNoise, SidePacker, pack
 
@@ -405,7 +408,9 @@ def test_side_stream_packer_equals_the_plain_packer(split):
     with torch.cuda.stream(packer.stream):
         torch.cuda._sleep(20_000_000)  # the side stream is busy when the packer is called
     torch.cuda._sleep(100_000_000)  # the features below are made late on the current stream
-    side = packer(batch, 9, *inputs(), 4096, noise)
+    device_ids = ids.to(device) if given_ids else None
+    side = packer(batch, 9, *inputs(), 4096, noise, input_ids_bL=device_ids)
+    del device_ids  # the packer keeps what it needs alive for its stream
     got = [t.clone() for t in (side.features if split else [side.features])]  # read on the current stream
     got += [getattr(side, n).clone() for n in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths")]
     torch.cuda.synchronize()
