@@ -3,9 +3,10 @@
 Owns every torch.compile of training and benchmarks, decided from the config and the device in
 `Compilation.decide` and applied by `apply`:
 - flex attention (the drafter's attention under a BlockMask): always on CUDA, the eager
-  fallback materialises the whole score matrix; one kernel per (queries, keys) shape, with
-  the kernel options of `flex_kernel_options` (train.flex_kernel_options, or tiles chosen by
-  head dim).
+  fallback materialises the whole score matrix; one kernel per (queries, keys) shape, or with
+  exact anchor counts (train.anchor_buckets_per_doubling=0) torch's default shape handling (a
+  second shape recompiles once, dynamic in the query count); with the kernel options of
+  `flex_kernel_options` (train.flex_kernel_options, or tiles chosen by head dim).
 - the drafter's layers (`train.compile`), each as a module, with torch's default shape
   handling (a second shape recompiles once, dynamic in the dimensions that changed).
 - the loss's per-chunk math (`train.compile`, CUDA only, where `train.loss_kernel` leaves the
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function; a run sees a handful of shapes
-_flex = None
+_flex: dict[bool, object] = {}  # dynamic query count -> compiled flex_attention
 _loss_chunks: dict[tuple[bool, bool], object] = {}  # (distillation, tail) -> compiled chunk
 
 
@@ -46,6 +47,9 @@ class Compilation:
     `loss_chunks`)."""
     flex_options: tuple = ()
     """The flex kernels' options as sorted (name, value) pairs (`flex_kernel_options`)."""
+    flex_dynamic: bool = False
+    """Exact anchor counts (train.anchor_buckets_per_doubling=0): flex compiled with torch's
+    default shape handling instead of one kernel per shape."""
 
     @classmethod
     def decide(cls, cfg, device: torch.device, attention: str, head_dim: int | None = None) -> "Compilation":
@@ -56,7 +60,7 @@ class Compilation:
         return cls(flex_attention=cuda and attention == "flex", drafter_layers=cfg.train.compile,
                    loss_chunks=cuda and cfg.train.compile and kernel == "torch", target_layers=cfg.target.compile,
                    flex_options=tuple(sorted(flex_kernel_options(cfg.train.flex_kernel_options, head_dim).items())),
-                   loss_kernel=kernel)
+                   loss_kernel=kernel, flex_dynamic=cfg.train.anchor_buckets_per_doubling == 0)
 
     def apply(self, *, drafter=None, target=None) -> None:
         """Compile what this plan says of the parts a rank holds (None: a part it lacks). The
@@ -64,7 +68,7 @@ class Compilation:
         from dflash_train.target import Target
 
         if self.flex_attention and drafter is not None:
-            compile_flex_attention(dict(self.flex_options))
+            compile_flex_attention(dict(self.flex_options), dynamic=self.flex_dynamic)
         if self.drafter_layers and drafter is not None:
             compile_drafter_layers(drafter)
         if self.target_layers and isinstance(target, Target):  # stand-ins without layers: nothing to compile
@@ -86,12 +90,13 @@ def loss_kernel(setting: str, device: torch.device, labels: str) -> str:
 
 
 SMALL_HEAD_FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
-                           "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2}
+                           "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2, "fwd_USE_TMA": True}
 """The kernel options for head dims <= 64, measured on one H200 with SmolLM2's shape (head dim
 64, the `smollm2` bench; docs/PERFORMANCE.md): 64 x 64 forward tiles ran flex attention's
 forward 2.8x faster than torch's choice and the step 1.30x; 64-row and 64-key backward tiles with
 4 warps and 2 pipeline stages (torch's: 64/128/128/64 with 8 warps, 3 stages) then took flex's
-backward from 24.7 to 22.8-23.0 ms per step (8 warps on the same tiles: 43.6 ms)."""
+backward from 24.7 to 22.8-23.0 ms per step (8 warps on the same tiles: 43.6 ms); TMA loads in the
+forward took it from 6.06 to 5.14 ms per step (in the backward they cost 1.2 ms: forward only)."""
 
 
 def flex_kernel_options(configured: dict | None, head_dim: int | None) -> dict:
@@ -108,11 +113,11 @@ def _raise_recompile_limit() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
-def compile_flex_attention(kernel_options: dict | None = None) -> None:
+def compile_flex_attention(kernel_options: dict | None = None, dynamic: bool = False) -> None:
     """Route the drafter's flex attention through one compiled kernel (drafter.py imports
     nothing from this package: it is copied into every export, so it is handed the kernel),
-    with `kernel_options` (train.flex_kernel_options) when given."""
-    global _flex
+    with `kernel_options` (train.flex_kernel_options) when given; `dynamic`: torch's default
+    shape handling (exact anchor counts) instead of one kernel per shape."""
     import functools
 
     from torch.nn.attention.flex_attention import flex_attention
@@ -120,9 +125,10 @@ def compile_flex_attention(kernel_options: dict | None = None) -> None:
     from dflash_train import drafter
 
     _raise_recompile_limit()
-    if _flex is None:
-        _flex = torch.compile(flex_attention, dynamic=False)
-    drafter.flex_kernel = functools.partial(_flex, kernel_options=dict(kernel_options)) if kernel_options else _flex
+    if dynamic not in _flex:
+        _flex[dynamic] = torch.compile(flex_attention, dynamic=None if dynamic else False)
+    kernel = _flex[dynamic]
+    drafter.flex_kernel = functools.partial(kernel, kernel_options=dict(kernel_options)) if kernel_options else kernel
 
 
 def fp8_linear_layers(drafter, recipe: str) -> list[str]:

@@ -26,11 +26,14 @@ QWEN_CODER_TARGET = "bundled:qwen2.5-coder-0.5b-instruct"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
-# flex_attention kernel options train.flex_kernel_options may set (fwd_ / bwd_: the forward's or
-# the backward's kernel only).
+# flex_attention kernel options train.flex_kernel_options may set, each also with a prefix fwd_ /
+# bwd_ (the forward's or the backward's kernel only); the switches are true / false. Not offered:
+# ROWS_GUARANTEED_SAFE (it assumes every row meets a visible key in the first tile the kernel
+# reads for it; under the mask rule a row can meet a wholly masked tile first, and on one H200
+# the outputs were NaN).
+FLEX_KERNEL_SWITCHES = ("PRESCALE_QK", "WRITE_DQ", "USE_TMA")
 FLEX_KERNEL_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-                       "num_warps", "num_stages", "fwd_num_warps", "fwd_num_stages", "bwd_num_warps",
-                       "bwd_num_stages")
+                       "num_warps", "num_stages", *FLEX_KERNEL_SWITCHES)
 
 
 @dataclass
@@ -171,13 +174,16 @@ class TrainSection:
     applies, torch otherwise (CPU, objective.labels=distill). docs/PERFORMANCE.md has the A/B."""
     anchor_multiple: int = 64
     """Anchor (block) counts per packed row are padded up to a multiple of this (then to the
-    buckets of `anchor_buckets_per_doubling`), and packed rows to data.token_budget tokens: a
-    handful of shapes to compile, never a new one late in a run."""
-    anchor_buckets_per_doubling: int = 1
-    """Anchor counts (in multiples of anchor_multiple) are padded to the next of this many
-    evenly spaced sizes per doubling: 1 = powers of two (padding blocks up to half of a row's
-    blocks), 4 = at most a fifth, for up to 4 times as many compiled shapes. A power of two.
-    Padding blocks cost the drafter's layers a full row each (the loss skips them)."""
+    buckets of `anchor_buckets_per_doubling` where those are on), and packed rows to
+    data.token_budget tokens."""
+    anchor_buckets_per_doubling: int = 0
+    """0 (default): anchor counts stay exact multiples of anchor_multiple, and the compiled
+    drafter layers and flex attention are dynamic in the query count (one recompile, on the
+    second count seen). s >= 1 (a power of two): counts (in multiples of anchor_multiple) are
+    padded to the next of s evenly spaced sizes per doubling, one compiled shape each: 1 =
+    powers of two (padding blocks up to half of a row's blocks), 4 = at most a fifth. Padding
+    blocks cost the drafter's layers a full row each (the loss skips them): on the smollm2
+    bench exact counts took the step from 96.9-97.1 to 88.0-88.7 ms (docs/PERFORMANCE.md)."""
     fp8: Optional[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]] = None
     """Float8 matrix products in the drafter's linear layers (fc and every layer's projections),
     by torchao's float8 training recipe of that name: one scale per tensor ("tensorwise"), per
@@ -191,13 +197,14 @@ class TrainSection:
     """Options of the drafter's flex attention kernels on CUDA (flex_attention's
     `kernel_options`): forward tile sizes BLOCK_M / BLOCK_N, backward BLOCK_M1 / BLOCK_N1 /
     BLOCK_M2 / BLOCK_N2 (each dividing the BlockMask's 128-token tiles), num_warps, num_stages
-    (both kernels), or fwd_num_warps / bwd_num_warps / fwd_num_stages / bwd_num_stages (one kernel
-    each). A setting replaces the default as a whole.
-    null (default): for drafters of head dim 64 or less, 64 x 64 tiles in both kernels and a
-    backward of 4 warps and 2 stages (compilation.SMALL_HEAD_FLEX_OPTIONS: on SmolLM2's shape the
-    step ran 1.30x faster with the forward's tiles, and the backward's options took flex's
-    backward from 24.7 to 22.8-23.0 ms per step); torch's choice otherwise; {}: always torch's
-    choice. docs/PERFORMANCE.md has the measurements."""
+    (both kernels), the switches PRESCALE_QK, WRITE_DQ and USE_TMA (Hopper's tensor memory
+    accelerator); any of them prefixed fwd_ or bwd_ for one kernel only (e.g. bwd_num_warps,
+    fwd_USE_TMA). A setting replaces the default as a whole.
+    null (default): for drafters of head dim 64 or less, 64 x 64 tiles in both kernels, a
+    backward of 4 warps and 2 stages and TMA loads in the forward (compilation.SMALL_HEAD_FLEX_OPTIONS:
+    on SmolLM2's shape the step ran 1.30x faster with the forward's tiles, and the backward's
+    options took flex's backward from 24.7 to 22.8-23.0 ms per step); torch's choice otherwise;
+    {}: always torch's choice. docs/PERFORMANCE.md has the measurements."""
     max_consecutive_skips: int = 10
     """Stop the run after this many consecutive non-finite steps."""
     max_consecutive_batch_failures: int = 5
@@ -608,19 +615,24 @@ def validate(cfg: Config) -> list[str]:
     positive("train.grad_accum", cfg.train.grad_accum)
     positive("train.anchor_multiple", cfg.train.anchor_multiple)
     for key, value in (cfg.train.flex_kernel_options or {}).items():
-        if key not in FLEX_KERNEL_OPTIONS:
-            p.append(f"train.flex_kernel_options.{key}: unknown option (known: {', '.join(FLEX_KERNEL_OPTIONS)})")
-        elif key.startswith("BLOCK_") and (not isinstance(value, int) or value < 16 or 128 % value):
+        name = key[4:] if key.startswith(("fwd_", "bwd_")) else key
+        if name not in FLEX_KERNEL_OPTIONS:
+            p.append(f"train.flex_kernel_options.{key}: unknown option (known: {', '.join(FLEX_KERNEL_OPTIONS)}, "
+                     f"each also as fwd_NAME or bwd_NAME for one kernel)")
+        elif name.startswith("BLOCK_") and (not isinstance(value, int) or value < 16 or 128 % value):
             p.append(f"train.flex_kernel_options.{key} must divide the BlockMask's 128-token tiles "
                      f"(16, 32, 64 or 128), got {value!r}")
-        elif key.endswith(("num_warps", "num_stages")) and (type(value) is not int or value < 1):
+        elif name in ("num_warps", "num_stages") and (type(value) is not int or value < 1):
             p.append(f"train.flex_kernel_options.{key} must be a positive integer, got {value!r}")
+        elif name in FLEX_KERNEL_SWITCHES and not isinstance(value, bool):
+            p.append(f"train.flex_kernel_options.{key} must be true or false, got {value!r}")
     p += loss_kernel_problems(cfg.train.loss_kernel, cfg.train.device, cfg.objective.labels)
     if cfg.train.fp8 is not None and importlib.util.find_spec("torchao") is None:
         p.append(f"train.fp8={cfg.train.fp8} but the torchao package is not installed: pip install 'dflash-train[fp8]'")
     s = cfg.train.anchor_buckets_per_doubling
-    if isinstance(s, int) and (s < 1 or s & (s - 1)):
-        p.append(f"train.anchor_buckets_per_doubling must be a power of two (1, 2, 4, 8, ...), got {s}")
+    if isinstance(s, int) and (s < 0 or s & (s - 1)):
+        p.append(f"train.anchor_buckets_per_doubling must be 0 (exact counts) or a power of two "
+                 f"(1, 2, 4, 8, ...), got {s}")
     positive("train.max_consecutive_skips", cfg.train.max_consecutive_skips)
     positive("train.max_consecutive_batch_failures", cfg.train.max_consecutive_batch_failures)
     positive("checkpoint.every", cfg.checkpoint.every)

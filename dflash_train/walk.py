@@ -102,7 +102,8 @@ def blocks_per_forward(num_ctx: int, block_size: int, attention: str, multiple: 
 def _padded(anchors_G: torch.Tensor, size: int, multiple: int) -> torch.Tensor:
     """A group of anchors padded with -1 (blocks that see only themselves and count nothing) to
     `size`, or for a last, shorter group to `multiple` times a power of two: a bounded set of
-    shapes for compiled code (training's default anchor padding, train.anchor_buckets_per_doubling=1)."""
+    shapes for the walk's flex attention, compiled one kernel per shape (as training does with
+    train.anchor_buckets_per_doubling=1)."""
     n = anchors_G.numel()
     if n < size:
         size = min(size, padded_anchor_count(n, multiple, buckets_per_doubling=1))

@@ -139,24 +139,32 @@ def test_performance_settings_are_checked_and_resolved():
     from dflash_train.compilation import SMALL_HEAD_FLEX_OPTIONS, Compilation
 
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.flex_kernel_options={BLOCK_X: 64, BLOCK_N1: 48, bwd_num_warps: 0}", "train.fp8=fast",
+        load_config(None, ["train.flex_kernel_options={BLOCK_X: 64, BLOCK_N1: 48, bwd_num_warps: 0, "
+                           "fwd_USE_TMA: 1, side_USE_TMA: true, ROWS_GUARANTEED_SAFE: true}", "train.fp8=fast",
                            "train.anchor_buckets_per_doubling=3"])
     text = str(err.value)
     assert "train.flex_kernel_options.BLOCK_X: unknown option (known: BLOCK_M" in text
+    assert "train.flex_kernel_options.side_USE_TMA: unknown option" in text
+    assert "train.flex_kernel_options.ROWS_GUARANTEED_SAFE: unknown option" in text  # NaN under the mask rule
     assert "train.flex_kernel_options.BLOCK_N1 must divide the BlockMask's 128-token tiles" in text
     assert "train.flex_kernel_options.bwd_num_warps must be a positive integer, got 0" in text
+    assert "train.flex_kernel_options.fwd_USE_TMA must be true or false, got 1" in text
     assert "train.fp8: expected 'tensorwise' | 'rowwise' | 'rowwise_with_gw_hp' | null, got 'fast'" in text
-    assert "train.anchor_buckets_per_doubling must be a power of two" in text
+    assert "train.anchor_buckets_per_doubling must be 0 (exact counts) or a power of two" in text
     assert load_config(None, ["train.fp8=tensorwise"]).train.fp8 == "tensorwise"
     assert load_config(None, []).train.fp8 is None
     cuda = torch.device("cuda")
     for overrides, head_dim, expected in (([], 64, SMALL_HEAD_FLEX_OPTIONS), ([], 128, {}),
                                           (["train.flex_kernel_options={}"], 64, {}),
                                           (["train.flex_kernel_options={num_warps: 4}"], 128, {"num_warps": 4}),
-                                          (["train.flex_kernel_options={BLOCK_M1: 64, bwd_num_stages: 2}"], 64,
-                                           {"BLOCK_M1": 64, "bwd_num_stages": 2})):
+                                          (["train.flex_kernel_options={BLOCK_M1: 64, bwd_num_stages: 2, bwd_USE_TMA: true}"],
+                                           64, {"BLOCK_M1": 64, "bwd_num_stages": 2, "bwd_USE_TMA": True})):
         plan = Compilation.decide(load_config(None, overrides), cuda, "flex", head_dim=head_dim)
         assert dict(plan.flex_options) == expected, (overrides, head_dim)
+    # Exact anchor counts (the default) compile flex with the query count dynamic; buckets do not.
+    assert Compilation.decide(load_config(None, []), cuda, "flex", head_dim=64).flex_dynamic
+    buckets = load_config(None, ["train.anchor_buckets_per_doubling=4"])
+    assert not Compilation.decide(buckets, cuda, "flex", head_dim=64).flex_dynamic
 
 
 def test_intra_op_threads_default_to_one_on_a_gpu():

@@ -65,10 +65,12 @@ def test_compiled_flex_equals_dense_forward_and_backward(window):
 
 
 @pytest.mark.parametrize("options", [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
-                                     SMALL_HEAD_FLEX_OPTIONS])
+                                     {"BLOCK_M": 64, "BLOCK_N": 64, "USE_TMA": True, "PRESCALE_QK": True},
+                                     flex_kernel_options(None, 64)])
 def test_flex_kernel_options_change_tiles_not_results(options):
     """train.flex_kernel_options reach the compiled kernels and leave forward and gradients
-    those of the dense path (SMALL_HEAD_FLEX_OPTIONS: the default for this head dim, 64)."""
+    those of the dense path (the last case: the default for this head dim, 64: the small-head
+    tiles, TMA in the forward)."""
     assert flex_kernel_options(None, 64) == SMALL_HEAD_FLEX_OPTIONS  # _setup: head dim 64
     torch.backends.cuda.matmul.allow_tf32 = False
     drafter, layout, feats, embed, _ = _setup(seed=2)
@@ -79,6 +81,41 @@ def test_flex_kernel_options_change_tiles_not_results(options):
     for name in grads_d:
         rel = (grads_o[name] - grads_d[name]).norm() / grads_d[name].norm()
         assert rel < 1e-4, (name, float(rel))
+
+
+def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense():
+    """train.anchor_buckets_per_doubling=0: flex compiled with torch's default shape handling
+    meets three anchor counts (and row lengths) with one graph more than the first, and each
+    matches the dense path, forward and gradients."""
+    from dflash_train.bench import _compiled_graphs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    options = flex_kernel_options(None, 64)
+    graphs = []
+    for seed, num_anchors in ((3, 16), (4, 32), (5, 48)):
+        torch.manual_seed(seed)
+        drafter, _, _, _, _ = _setup(seed=seed)
+        gen = torch.Generator().manual_seed(seed)
+        lengths, loss_mask = random_packed_row(gen, 6, max_len=200, pad=11)
+        anchors = sample_anchors(loss_mask, lengths, num_anchors, step_generator(seed, 0), pad_to_multiple=8,
+                                 buckets_per_doubling=0)
+        layout = build_layout(anchors.cuda(), loss_mask.cuda(), lengths.cuda(), B)
+        feats = torch.randn(1, loss_mask.numel(), 3 * H, device="cuda")
+        embed = torch.randn(1, layout.num_blocks * B, H, device="cuda")
+        compile_flex_attention(options, dynamic=True)
+        drafter.zero_grad(set_to_none=True)
+        masks = build_attention_masks(layout, drafter.layer_types, None, "flex")
+        out_f = drafter(feats, embed, layout.position_ids(), attention_mask=masks)
+        (out_f.float() * torch.linspace(-1, 1, out_f.shape[-1], device="cuda")).sum().backward()
+        grads_f = {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
+        graphs.append(_compiled_graphs())
+        out_d, grads_d = _run(drafter, layout, feats, embed, "sdpa")
+        torch.testing.assert_close(out_f.detach(), out_d, atol=1e-4, rtol=1e-4)
+        for name in grads_d:
+            rel = (grads_f[name] - grads_d[name]).norm() / grads_d[name].norm()
+            assert rel < 1e-4, (seed, name, float(rel))
+    compile_flex_attention()
+    assert graphs[2] - graphs[0] <= 1, graphs
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
