@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -715,4 +716,12 @@ def run_cli(args) -> int:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(line + "\n")
     print(line, flush=True)
+    if report["skipped_steps"]:
+        # A skipped step (non-finite loss or gradients) did no update: its time is not a training
+        # step's, and on synthetic data it means a broken setting. The report stays written.
+        print(f"bench: {report['skipped_steps']} of {report['steps']} timed steps were skipped as non-finite "
+              f"(no optimizer step): these figures do not time training; find what made the loss or "
+              f"gradients NaN or inf (overrides: {report['overrides'] or 'none'}) before reading them",
+              file=sys.stderr, flush=True)
+        return 1
     return 0

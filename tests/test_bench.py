@@ -58,6 +58,18 @@ def test_bench_tiny_prints_one_json_line_last(tmp_path, capsys):
     assert any(line.startswith("samples/s") for line in lines[:-1])
 
 
+def test_bench_with_skipped_steps_fails_and_says_so(tmp_path, capsys):
+    """A timed step skipped as non-finite (here an injected NaN loss) makes the bench exit 1 with
+    the reason on stderr; its report is still written, with the count."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--workload", "tiny", "--steps", "1", "--warmup", "0", "--output", str(out),
+                     "faults.nan_at_steps=[1]"]) == 1
+    err = capsys.readouterr().err
+    assert "bench: 1 of 1 timed steps were skipped as non-finite" in err
+    assert "faults.nan_at_steps=[1]" in err
+    assert json.loads(out.read_text())["skipped_steps"] == 1
+
+
 def test_bench_refuses_bad_input_naming_the_field(capsys):
     assert cli.main(["bench", "--workload", "tiny", "drafter.mask_token_id=null"]) == 2
     assert "drafter.mask_token_id" in capsys.readouterr().err
