@@ -365,9 +365,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (bf16 activations of Qwen3 have outliers), scale in input dtype.
+        # The result keeps the input's dtype also where the weight is float32 (training's master
+        # weights under autocast), as it does in serving's bf16: no float32 activations.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight * x32.to(x.dtype)).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

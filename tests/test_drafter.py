@@ -70,6 +70,44 @@ def test_train_serve_consistency(window):
     assert checked > 10
 
 
+def test_mixed_precision_training_keeps_activations_in_bf16():
+    """Training runs float32 master weights under bf16 autocast; serving runs bf16 weights. Every
+    RMSNorm (hidden, q/k, layer and final norms) returns its input's dtype in both, so training's
+    activations are bf16 as serving's are (before, a float32 weight made them float32: the q/k
+    path, rope and the lm_head's input ran in float32 in training only), and the two forwards
+    agree to bf16 rounding."""
+    from dflash_train.drafter import RMSNorm
+
+    norm = RMSNorm(H, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, H).to(torch.bfloat16)
+    x32 = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, (norm.weight * x32.to(torch.bfloat16)).to(torch.bfloat16), atol=0, rtol=0)
+    assert norm(x.float()).dtype == torch.float32  # float32 inference is untouched
+
+    B = 4
+    drafter = tiny_drafter(num_layers=2, block_size=B)
+    lengths, loss_mask, layout, input_ids, gen = _packed_case(0, B)
+    feats = torch.randn(layout.num_ctx, len(drafter.target_layer_ids) * H, generator=gen).to(torch.bfloat16)
+    embed = torch.randn(128, H, generator=gen)[layout.block_input_ids(input_ids, 127)].to(torch.bfloat16)
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+             for m in drafter.modules() if isinstance(m, RMSNorm)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        train = _train_forward(drafter, layout, feats, embed, "sdpa")
+    for h in hooks:
+        h.remove()
+    assert train.dtype == torch.bfloat16 and set(seen) == {torch.bfloat16}, set(seen)
+    with torch.no_grad():
+        serve = _train_forward(drafter.to(torch.bfloat16), layout, feats, embed, "sdpa")
+    assert serve.dtype == torch.bfloat16
+    err = (train.float() - serve.float()).abs().max() / serve.float().abs().max()
+    assert err < 0.05, err
+
+
 def test_flex_forward_equals_dense():
     B = 4
     for window in (None, 9):
