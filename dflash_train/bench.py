@@ -237,8 +237,13 @@ def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
             entry[1] += 1
         ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
         device_total = sum(v[0] for v in totals.values()) or 1.0
+        # The window's own work: its batches are not the timed steps' (the stream goes on), and
+        # attention's share of a step follows the squared lengths of its samples.
+        work = counter.count(run.cfg.objective.num_anchors, 0)  # host syncs: after the window
         lines = [f"{steps} profiled steps, window {(span[1] - span[0]) / 1e3:.1f} ms, device busy "
-                 f"{busy / 1e3:.1f} ms ({busy / (span[1] - span[0]):.1%})",
+                 f"{busy / 1e3:.1f} ms ({busy / (span[1] - span[0]):.1%}); their work: {work.samples} samples, "
+                 f"{work.context_tokens} context tokens, {work.block_rows} block rows, "
+                 f"{work.attention_pairs:.4g} attention pairs (all drafter layers)",
                  f"{'share':>7} {'ms':>10} {'calls':>7}  kernel"]
         lines += [f"{v[0] / device_total:>7.1%} {v[0] / 1e3:>10.2f} {v[1]:>7}  {name[:160]}" for name, v in ranked[:40]]
         lines += host_summary(prof, steps, len(device_events))
@@ -396,7 +401,7 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
 
 
 def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
-              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 3,
+              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 10,
               profile_summary: Path | None = None, peak_tflops: float | None = None, log=print) -> dict:
     """Build the workload's run, warm it up, time `steps` steps, profile `profile` more (CUDA);
     returns the report (the JSON object)."""

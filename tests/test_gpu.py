@@ -8,6 +8,7 @@ has none); run on the GPU machine with `python -m pytest tests/test_gpu.py`."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -334,6 +335,9 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
         assert (report["flops_per_sample"]["target_forward"] == 0) == drafter_only
     text = summary.read_text()
     assert "kernel" in text and "bench_window" not in text
+    # The window's own work heads the summary (its batches are not the timed ones).
+    work = re.search(r"their work: (\d+) samples, (\d+) context tokens, (\d+) block rows", text.splitlines()[0])
+    assert work and all(int(g) > 0 for g in work.groups()), text.splitlines()[0]
     assert "host:" in text and "cudaLaunchKernel" in text  # the host's side: launches ranked by host time
     assert "host syncs:" in text and "step.py" not in text  # the skip decision stays on the device
 
