@@ -30,7 +30,8 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block si
 # bwd_ (the forward's or the backward's kernel only); the switches are true / false. Not offered:
 # ROWS_GUARANTEED_SAFE (it assumes every row meets a visible key in the first tile the kernel
 # reads for it; under the mask rule a row can meet a wholly masked tile first, and on one H200
-# the outputs were NaN).
+# the outputs were NaN), and BACKEND (its FLASH kernels ran slower than these on SmolLM2's shape on
+# one H200, docs/PERFORMANCE.md).
 FLEX_KERNEL_SWITCHES = ("PRESCALE_QK", "WRITE_DQ", "USE_TMA")
 FLEX_KERNEL_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
                        "num_warps", "num_stages", *FLEX_KERNEL_SWITCHES)
