@@ -20,10 +20,9 @@ import argparse
 import json
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train import masks
-from dflash_train.compilation import flex_kernel_options
+from dflash_train import drafter, masks
+from dflash_train.compilation import compile_flex_attention, flex_kernel_options
 
 
 def packed_row(args, device):
@@ -111,12 +110,12 @@ def main() -> None:
     q0, k0, v0, grad_out = tensor(args.heads, Q), tensor(args.kv_heads, KV), tensor(args.kv_heads, KV), tensor(args.heads, Q)
     first = None
     for setting in args.settings:
-        kernel = torch.compile(flex_attention, dynamic=False)
         opts = options(setting, args.head_dim)
+        compile_flex_attention(opts)  # as training compiles it (one kernel per shape, these options)
+        kernel = drafter.flex_kernel
 
         def call(q, k, v):
-            return kernel(q, k, v, block_mask=block_mask, scale=args.head_dim ** -0.5, enable_gqa=True,
-                          kernel_options=dict(opts))
+            return kernel(q, k, v, block_mask=block_mask, scale=args.head_dim ** -0.5, enable_gqa=True)
 
         q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
         try:
