@@ -100,7 +100,19 @@ def test_delay_fault_sleeps_after_the_step(tmp_path, monkeypatch):
     import dflash_train.faults as faults_module
 
     slept = []
-    monkeypatch.setattr(faults_module.time, "sleep", slept.append)
+
+    class FaultsClock:
+        """faults.py's view of the time module: its sleeps recorded, not slept. Only that module's
+        name is replaced: patching time.sleep itself also caught other code's polling (a file lock
+        that another test process held retried thousands of times at once)."""
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds):
+            slept.append(seconds)
+
+    monkeypatch.setattr(faults_module, "time", FaultsClock())
     assert cli.main(train_args(tmp_path, "train.max_steps=3", "faults.delay_at_steps=[2]",
                                "faults.delay_seconds=7.5")) == 0
     assert slept == [7.5]
