@@ -113,13 +113,22 @@ def _raise_recompile_limit() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
+FLEX_DIVISOR = 128  # inductor's flex kernels skip bounds checks where both lengths are multiples of this
+
+
 def compile_flex_attention(kernel_options: dict | None = None, dynamic: bool = False) -> None:
     """Route the drafter's flex attention through one compiled kernel (drafter.py imports
     nothing from this package: it is copied into every export, so it is handed the kernel),
     with `kernel_options` (train.flex_kernel_options) when given; `dynamic`: torch's default
-    shape handling (exact anchor counts) instead of one kernel per shape."""
-    import functools
+    shape handling (exact anchor counts) instead of one kernel per shape.
 
+    Each call whose query and key lengths are both multiples of FLEX_DIVISOR also passes
+    IS_DIVISIBLE=True. Inductor sets it itself from static lengths, but not from symbolic ones:
+    once the drafter's compiled layers run flex dynamic in the anchor count, its kernels checked
+    the bounds of every load, and on SmolLM2's shape on one H200 the backward ran about a quarter
+    slower per attention pair than with static lengths (docs/PERFORMANCE.md). The test on the
+    lengths is a guard of the compiled graph, so a length that is not a multiple takes the
+    other branch (the kernels with bounds checks), never a wrong one."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train import drafter
@@ -128,7 +137,17 @@ def compile_flex_attention(kernel_options: dict | None = None, dynamic: bool = F
     if dynamic not in _flex:
         _flex[dynamic] = torch.compile(flex_attention, dynamic=None if dynamic else False)
     kernel = _flex[dynamic]
-    drafter.flex_kernel = functools.partial(kernel, kernel_options=dict(kernel_options)) if kernel_options else kernel
+    options = dict(kernel_options or {})
+    divisible = {**options, "IS_DIVISIBLE": True}
+
+    def flex_kernel(query, key, value, **kwargs):
+        if query.shape[-2] % FLEX_DIVISOR == 0 and key.shape[-2] % FLEX_DIVISOR == 0:
+            return kernel(query, key, value, kernel_options=divisible, **kwargs)
+        if options:
+            return kernel(query, key, value, kernel_options=options, **kwargs)
+        return kernel(query, key, value, **kwargs)
+
+    drafter.flex_kernel = flex_kernel
 
 
 def fp8_linear_layers(drafter, recipe: str) -> list[str]:

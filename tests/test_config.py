@@ -178,3 +178,29 @@ def test_intra_op_threads_default_to_one_on_a_gpu():
     assert intra_op_threads(None, torch.device("cpu")) is None
     assert intra_op_threads(4, torch.device("cuda")) == 4
     assert intra_op_threads(3, torch.device("cpu")) == 3
+
+
+@pytest.mark.parametrize("options", [None, {"BLOCK_M": 64}])
+def test_flex_kernel_passes_is_divisible_where_both_lengths_are_multiples_of_128(monkeypatch, options):
+    """compile_flex_attention hands the drafter a kernel that adds IS_DIVISIBLE=True to the
+    configured options exactly where the query and key lengths are both multiples of 128 (what
+    inductor decides from static lengths but cannot from the symbolic ones of a dynamic compile),
+    and otherwise passes the configured options alone."""
+    import torch
+
+    from dflash_train import compilation, drafter
+
+    calls = []
+
+    def recording_kernel(q, k, v, **kwargs):
+        calls.append(kwargs.get("kernel_options"))
+        return q
+
+    monkeypatch.setattr(drafter, "flex_kernel", None)
+    monkeypatch.setitem(compilation._flex, True, recording_kernel)
+    compilation.compile_flex_attention(options, dynamic=True)
+    for q_len, kv_len in ((256, 16640), (256, 16600), (200, 16640), (128, 128)):
+        q, kv = torch.zeros(1, 2, q_len, 4), torch.zeros(1, 1, kv_len, 4)
+        assert drafter.flex_kernel(q, kv, kv, block_mask=None, scale=0.5, enable_gqa=True) is q
+    given = options or None
+    assert calls == [{**(options or {}), "IS_DIVISIBLE": True}, given, given, {**(options or {}), "IS_DIVISIBLE": True}]

@@ -84,10 +84,12 @@ def test_flex_kernel_options_change_tiles_not_results(options):
         assert rel < 1e-4, (name, float(rel))
 
 
-def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense():
+@pytest.mark.parametrize("divisible", [False, True], ids=["any-length", "multiples-of-128"])
+def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense(divisible):
     """train.anchor_buckets_per_doubling=0: flex compiled with torch's default shape handling
     meets three anchor counts (and row lengths) with one graph more than the first, and each
-    matches the dense path, forward and gradients."""
+    matches the dense path, forward and gradients; with rows of multiples of 128 tokens (as
+    training packs them), the symbolic lengths' kernels run with IS_DIVISIBLE (no bounds checks)."""
     from dflash_train.bench import _compiled_graphs
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -98,9 +100,12 @@ def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense():
         drafter, _, _, _, _ = _setup(seed=seed)
         gen = torch.Generator().manual_seed(seed)
         lengths, loss_mask = random_packed_row(gen, 6, max_len=200, pad=11)
+        if divisible:  # queries are whole anchor multiples of 8 blocks of 16: 128 tokens
+            loss_mask = torch.cat([loss_mask, loss_mask.new_zeros(-loss_mask.numel() % 128)])
         anchors = sample_anchors(loss_mask, lengths, num_anchors, step_generator(seed, 0), pad_to_multiple=8,
                                  buckets_per_doubling=0)
         layout = build_layout(anchors.cuda(), loss_mask.cuda(), lengths.cuda(), B)
+        assert ((loss_mask.numel() + layout.num_blocks * B) % 128 == 0) == divisible
         feats = torch.randn(1, loss_mask.numel(), 3 * H, device="cuda")
         embed = torch.randn(1, layout.num_blocks * B, H, device="cuda")
         compile_flex_attention(options, dynamic=True)
