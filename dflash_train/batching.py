@@ -8,9 +8,10 @@ deterministic shuffle from (seed, epoch), and `BatchStream`, the endless stream 
 consumes by global index, so that resuming mid-epoch means continuing from an integer. Which
 rank makes and which trains batch g is dist.Assignment's.
 
-Every batch is padded to its bucket's boundary, so the target sees at most one shape per
-bucket (`BatchPlan.shapes`) and can warm each up before training: a shape first seen late in
-a run would compile (and could run out of memory) there.
+Every batch is padded to its bucket's boundary, so the target sees at most two shapes per
+bucket (`BatchPlan.shapes`: its full batches' and its last one's) and can warm each up (and
+capture it as a CUDA graph) before training: a shape first seen late in a run would compile
+(and could run out of memory) there.
 
 Shape suffixes: B rows of a batch, L padded length (the bucket boundary).
 """
@@ -117,9 +118,16 @@ class BatchPlan:
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
-        """(rows, L) of the largest batch of every non-empty bucket: the shapes to warm up."""
-        used = set(self.bucket_of.tolist())
-        return [(self.rows[k], b) for k, b in enumerate(self.boundaries) if k in used]
+        """(rows, L) of every batch this plan makes, the shapes to warm up: per non-empty bucket,
+        its full batches' and, when its sample count is not a multiple of its rows, its last
+        batch's (the same in every epoch)."""
+        counts = np.bincount(self.bucket_of, minlength=len(self.boundaries))
+        out = []
+        for k, (b, count) in enumerate(zip(self.boundaries, counts.tolist())):
+            rows = self.rows[k]
+            out += [(rows, b)] if count >= rows else []
+            out += [(count % rows, b)] if count % rows else []
+        return out
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         """The batches of `epoch` in order, each an array of sample indices of one bucket."""

@@ -271,7 +271,16 @@ class Producer:
         return None
 
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
-        """The target once on every bucket's largest shape: on CUDA, allocator, kernels (and
-        compiled graphs) and any out-of-memory surface before the first step."""
+        """The target once on every batch shape of the plan (`shapes`), with the concat flag its
+        captures use: on CUDA, allocator, kernels (and compiled graphs) and any out-of-memory
+        surface before the first step; a target.GraphedTarget also captures its CUDA graphs of
+        them here."""
+        if hasattr(self.target, "prepare"):
+            self.target.prepare(shapes, concat=not self.split_fc)
+            return
         for rows, length in shapes:
-            self.target.capture(torch.zeros(rows, length, dtype=torch.long, device=self.device))
+            ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+            if self.split_fc:
+                self.target.capture(ids, concat=False)
+            else:
+                self.target.capture(ids)

@@ -36,7 +36,7 @@ from dflash_train.metrics import Accumulator, MetricsSink, NullSink, StageTimer,
 from dflash_train.plot import report_run
 from dflash_train.produce import FeatureNoise, Producer
 from dflash_train.step import DrafterStep
-from dflash_train.target import TargetHeads, load_target, resolve_target_path
+from dflash_train.target import GraphedTarget, Target, TargetHeads, load_target, resolve_target_path
 from dflash_train.transport import Receiver, Sender
 
 def check_inputs(cfg: Config) -> None:
@@ -309,6 +309,8 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
                            micro_per_step=M, total_steps=total_steps, faults=faults,
                            acc=Accumulator(drafter.block_size, device), timer=timer)
     compilation.apply(drafter=step.drafter if step is not None else None, target=target)
+    if producer is not None and device.type == "cuda" and cfg.target.cuda_graphs and isinstance(target, Target):
+        producer.target = GraphedTarget(target, device, log_any)  # captured in warm_up
     control = Control(cfg.train, dist, M)
     best = BestCheckpoint() if cfg.checkpoint.keep_best and step is not None else None
     checkpoints = _checkpoint_manager(cfg, dist, DataPosition(stream, assign), step, control, faults,
@@ -609,14 +611,17 @@ def resume(run: Run) -> bool:
 
 
 def warm_up(run: Run) -> None:
-    """The target once on every bucket's largest shape (CUDA: allocator, kernels, compiled graphs
-    and any out-of-memory surface before the first step; CPU has nothing to warm)."""
+    """The target once on every batch shape of the plan (CUDA: allocator, kernels, compiled graphs,
+    the target's CUDA graphs with target.cuda_graphs, and any out-of-memory surface before the
+    first step; CPU has nothing to warm)."""
     if run.dist.device.type != "cuda" or run.producer is None:
         return
     started = time.perf_counter()
     run.producer.warm_up(run.plan.shapes)
     torch.cuda.synchronize(run.dist.device)
-    run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s")
+    graphs = getattr(run.producer.target, "steps", None)  # target.GraphedTarget: the shapes captured
+    captured = f", {len(graphs)} of them captured as CUDA graphs" if graphs is not None else ""
+    run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s{captured}")
 
 
 def train(cfg: Config, log=print) -> Path | None:

@@ -42,8 +42,7 @@ def test_batches_respect_budget_and_cover_the_epoch(lengths, budget, max_rows, b
         assert all(lengths[i] > smaller[-1] for i in batch) if smaller else True
     flat = np.concatenate(batches)
     assert sorted(flat.tolist()) == list(range(len(lengths)))
-    assert set(plan.shapes) >= {(plan.rows[plan.boundaries.index(plan.length_of(b))], plan.length_of(b))
-                                for b in batches}
+    assert set(plan.shapes) == {(len(b), plan.length_of(b)) for b in batches}  # every batch's, no other
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,7 +114,11 @@ def test_quantile_boundaries_and_shapes():
     assert quantile_boundaries(lengths, 4, 64) == [256, 512, 768, 1024]
     assert quantile_boundaries([5] * 10, 8, 64) == [64]
     plan = BatchPlan(lengths, token_budget=4096, max_batch_size=10, boundaries=[256, 512, 1024, 2048])
-    assert plan.shapes == [(10, 256), (8, 512), (4, 1024)]  # the empty 2048 bucket needs no warm-up
+    # 256 samples in the first bucket (25 batches of 10, one of 6), 256 in the second (32 of 8),
+    # 488 in the third (122 of 4); the empty 2048 bucket needs no warm-up.
+    assert plan.shapes == [(10, 256), (6, 256), (8, 512), (4, 1024)]
+    small = BatchPlan([3, 3, 3], token_budget=4096, max_batch_size=10, boundaries=[256])
+    assert small.shapes == [(3, 256)]  # fewer samples than rows: only the last batch's shape
 
 
 def test_plan_errors_name_the_fix():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_drafter, tiny_target_config
+from conftest import SimulatedGraphs, tiny_drafter, tiny_target_config
 from dflash_train.decode import Graphs, StaticCache, TargetSteps, pick, row_buckets, width_buckets
 from dflash_train.sampling import choose, position_uniform
 from dflash_train.slots import SlotDecoder
@@ -179,37 +179,6 @@ def test_a_capture_never_destroys_an_unreachable_graph():
         (gc.enable if was else gc.disable)()
 
 
-class _Replayed:
-    """A stand-in for a CUDA graph with a graph's data semantics: a replay runs the step again on
-    its static inputs and writes the results into its static outputs in place; then, as a graph
-    whose freed intermediates later captures of the same pool took would, it scribbles over the
-    outputs of every graph captured after it."""
-
-    def __init__(self, graphs, fn, static, outputs):
-        self.graphs, self.fn, self.static, self.outputs = graphs, fn, static, outputs
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.fn(*self.static)):
-            out.copy_(new)
-        entries = list(self.graphs.entries.values())
-        mine = next(i for i, e in enumerate(entries) if e.graph is self)
-        for later in entries[mine + 1:]:
-            for out in later.outputs:
-                out.fill_(float("nan") if out.is_floating_point() else -(2**40))
-
-
-class _SimulatedGraphs(Graphs):
-    """Graphs on CPU with _Replayed standing in for CUDA graphs: the engine's graph paths
-    (buckets, padding rows, static inputs and outputs) run and are checked on CPU."""
-
-    def __post_init__(self):
-        self.enabled, self.pool = True, None
-
-    def _record(self, fn, static):
-        outputs = tuple(fn(*static))
-        return _Replayed(self, fn, static, outputs), outputs
-
-
 def _sliding_target():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -240,8 +209,8 @@ def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
     eager = Decoder(model, DFlashProposer.for_target(drafter, model, graphs=False), graphs=False)
     want = [eager.speculate([p], 20)[0] for p in ps]
     assert [w.output_ids for w in want] == refs
-    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
-    monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
+    monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
+    monkeypatch.setattr(specdec, "Graphs", SimulatedGraphs)
     engine = Decoder(model, DFlashProposer.for_target(drafter, model))
     engine.capture(rows=1, capacity=128)
     captured_keys = set(engine.target.graphs.entries)
@@ -281,8 +250,8 @@ def test_varlen_attention_decodes_as_the_masked_engine(tiny_target, monkeypatch)
     masked = Decoder(tiny_target, DFlashProposer.for_target(drafter, tiny_target, graphs=False), graphs=False,
                      attention="masked")
     want = [masked.speculate([p], 20)[0].acceptance_lengths for p in ps]
-    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
-    monkeypatch.setattr(specdec, "Graphs", _SimulatedGraphs)
+    monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
+    monkeypatch.setattr(specdec, "Graphs", SimulatedGraphs)
     slots = SlotDecoder.for_model(tiny_target, 3, 128, attention="varlen", refill=1, overlap=True)
     assert slots.steps.attention == "varlen-reference" and masked.target.attention == "masked"
     for i, p in enumerate(ps):
@@ -351,7 +320,7 @@ def test_overlapped_steps_with_requests_arriving_between_them(tiny_target, monke
     transformers' greedy output, as with the serial decoder, and the host's time is counted."""
     from dflash_train import decode
 
-    monkeypatch.setattr(decode, "Graphs", _SimulatedGraphs)
+    monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
     capacity = 48
     ps = prompts([3, 20, 7, 31, 1, 12, 25, 5, 9], seed=11)
     budgets = [capacity - 1 - len(p) if i % 3 == 1 else 4 + 2 * i for i, p in enumerate(ps)]

@@ -1,8 +1,8 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
 with hard labels and with distillation, and the Triton loss kernel against the torch chunk;
-the BlockMask read off the layout against create_block_mask, with no host sync; the side-stream
-packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
+the BlockMask read off the layout against create_block_mask, with no host sync; the target's
+CUDA graphs against its forward without them; the side-stream packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
 has none); run on the GPU machine with `python -m pytest tests/test_gpu.py`."""
 
@@ -364,15 +364,83 @@ def test_compiled_target_layers_give_the_eager_features():
         assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize("labels", ["data", "target", "distill"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-layers", "compiled-layers"])
+def test_graphed_target_replays_the_eager_forward(labels, compiled):
+    """target.GraphedTarget with real CUDA graphs against the same target run without them, bit
+    for bit: each prepared shape (a bucket's last batch with fewer rows among them) with new ids
+    on every call and other shapes' graphs replayed in between, per-tap features (split fc)
+    beside concatenated ones, a shape not prepared run eagerly, and what the labels need past
+    the taps (greedy tokens, final hidden state); every result read after all the calls."""
+    from dflash_train.bench import WORKLOADS, build_random_target, target_config
+    from dflash_train.compilation import compile_target_layers
+    from dflash_train.target import GraphedTarget
+
+    config = target_config(WORKLOADS["tiny"])
+    device = torch.device("cuda")
+    target = build_random_target(config, device, torch.bfloat16, 0)([1, 3], labels)
+    if compiled:
+        compile_target_layers(target)
+    logged = []
+    graphed = GraphedTarget(target, device, logged.append)
+    graphed.prepare([(4, 64), (3, 64), (2, 128)])
+    graphed.prepare([(2, 128)], concat=False)
+    gen = torch.Generator(device=device).manual_seed(0)
+    kept = []
+    for shape, concat in (((4, 64), True), ((2, 128), True), ((4, 64), True), ((3, 64), True), ((2, 128), False),
+                          ((1, 128), False), ((2, 96), True), ((4, 64), True)):
+        ids = torch.randint(0, 500, shape, device=device, generator=gen)
+        want = target.capture(ids, concat)
+        got = graphed.capture(ids, concat)
+        kept.append((shape, want, got))
+    for shape, want, got in kept:
+        for a, b in zip(want, got):
+            assert (a is None) == (b is None)
+            if a is None:
+                continue
+            for x, y in zip(*((t if isinstance(t, list) else [t]) for t in (a, b))):
+                assert x.shape == y.shape and x.shape[:2] == shape
+                assert torch.equal(x, y), shape
+    assert sorted(graphed.steps) == [(2, 128, False), (2, 128, True), (3, 64, True), (4, 64, True)]
+    assert graphed.graphs.num_captured == 4
+    assert not logged and graphed.refused is None
+
+
+def test_graphed_target_captures_nothing_when_its_forward_waits_on_the_gpu():
+    """A forward that reads a value on the host cannot be captured: the warm-up's check (CUDA's
+    sync debug mode) finds the wait, nothing is captured, the target runs eagerly with the same
+    results, the log says so once, and the GPU keeps working (no capture was attempted)."""
+    from dflash_train.target import GraphedTarget
+
+    class Syncing:
+        def capture(self, ids, concat=True):
+            scale = float(ids.float().mean().item())  # a host sync: not allowed while capturing
+            return ids.float() * scale, None
+
+    logged = []
+    graphed = GraphedTarget(Syncing(), torch.device("cuda"), logged.append)
+    graphed.prepare([(2, 16)])
+    for _ in range(2):
+        ids = torch.randint(0, 9, (2, 16), device="cuda")
+        features, _ = graphed.capture(ids)
+        assert torch.equal(features, Syncing().capture(ids)[0])
+    assert graphed.refused and not graphed.steps and graphed.graphs.num_captured == 0
+    assert len(logged) == 1 and "makes the host wait" in logged[0]
+    assert torch.equal(torch.ones(4, device="cuda").cumsum(0).cpu(), torch.arange(1.0, 5.0))
+
+
 def test_a_training_step_on_gpu_waits_for_nothing():
     """Once every shape of an epoch is warm, a whole optimizer step of a colocated run (batch,
-    target forward, packing, anchors, masks, drafter, loss, backward, clipping, the skip decision
+    target forward replayed from its CUDA graph, packing, anchors, masks, drafter, loss, backward, clipping, the skip decision
     and AdamW) never makes the host wait for the GPU; the step's flag is read after."""
     from dflash_train import bench
-    from dflash_train.train import take_step
+    from dflash_train.target import GraphedTarget
+    from dflash_train.train import take_step, warm_up
 
     run, _ = bench.build_run("tiny", ["train.compile=true"], log=lambda *a: None)
     assert run.step.skip_on_device
+    warm_up(run)  # the target's CUDA graphs captured: the steps below replay them
+    assert isinstance(run.producer.target, GraphedTarget) and run.producer.target.steps
     for _ in range(run.plan.num_batches):  # one epoch: every bucket and anchor shape compiled
         take_step(run)
     torch.cuda.synchronize()

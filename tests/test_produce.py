@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import SimulatedGraphs
 from dflash_train.batching import Batch
 from dflash_train.masks import sample_anchors, step_generator
 from dflash_train.produce import FeatureNoise, Producer, add_feature_noise, context_features, pack
@@ -217,3 +218,138 @@ def test_capture_runs_causal_attention_without_the_packed_sequence_check(monkeyp
     sliding = AutoModelForCausalLM.from_config(
         MistralConfig(**{**tiny_target_config().to_dict(), "sliding_window": 8}), attn_implementation="sdpa")
     assert Target(sliding.eval(), [1], labels="data").attention is None
+
+
+class _OutsidePoolGraphs(SimulatedGraphs):
+    """Simulated graphs whose outputs live outside the graphs' pool (GraphedTarget writes them
+    into its own buffers): a replay rewrites them and nothing else."""
+
+    scribble = False
+
+
+def _graphed(monkeypatch, target, log=None):
+    from dflash_train import decode
+    from dflash_train.target import GraphedTarget
+
+    monkeypatch.setattr(decode, "Graphs", _OutsidePoolGraphs)
+    return GraphedTarget(target, torch.device("cpu"), (log if log is not None else []).append)
+
+
+@pytest.mark.parametrize("labels", ["data", "target", "distill"])
+def test_graphed_target_returns_the_eager_forward(monkeypatch, labels):
+    """target.GraphedTarget through simulated graphs (a replay runs the captured step again on
+    its static inputs): each prepared shape's replay gives the eager forward's outputs, with new
+    ids on every call, a bucket's last batch (fewer rows) included; per-tap features (split fc)
+    are graphs of their own; a shape not prepared runs eagerly and captures nothing; and what a
+    call returned stays intact when later calls replay graphs that write the same buffers."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_target_config
+    from dflash_train.target import Target
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_target_config(), attn_implementation="sdpa").eval()
+    target = Target(model, [1, 3, 5], labels=labels)
+    logged = []
+    graphed = _graphed(monkeypatch, target, logged)
+    graphed.prepare([(4, 16), (3, 16), (2, 32)], concat=True)
+    graphed.prepare([(2, 32)], concat=False)
+    assert sorted(graphed.steps) == [(2, 32, False), (2, 32, True), (3, 16, True), (4, 16, True)]
+    assert graphed.graphs.num_captured == 4
+    gen = torch.Generator().manual_seed(1)
+    kept = []
+    for shape, concat in (((4, 16), True), ((4, 16), True), ((3, 16), True), ((2, 32), False), ((1, 32), False),
+                          ((2, 32), True), ((2, 24), True), ((4, 16), True)):
+        ids = torch.randint(1, 128, shape, generator=gen)
+        got = graphed.capture(ids, concat)
+        want = target.capture(ids, concat)
+        kept.append((shape, concat, want, got))
+    assert graphed.graphs.num_captured == 4  # (1, 32) and (2, 24) ran eagerly
+    for shape, concat, want, got in kept:  # read after every call: earlier results stay intact
+        assert isinstance(want[0], list) == isinstance(got[0], list) == (not concat)
+        for a, b in zip(want, got):
+            assert (a is None) == (b is None)
+            if a is None:
+                continue
+            for x, y in zip(*((t if isinstance(t, list) else [t]) for t in (a, b))):
+                assert x.shape == y.shape and x.shape[:2] == shape, (shape, concat)
+                assert torch.equal(x, y), (shape, concat)
+    assert not logged and graphed.refused is None
+
+
+def test_graphed_target_captures_nothing_when_its_forward_waits_on_the_gpu(monkeypatch):
+    """A forward that makes the host wait for the GPU cannot be captured: the warm-up's check
+    (CUDA's sync debug mode raises at the wait; here the forward raises as that check would)
+    leaves the whole target to the eager forward, with the same results, and the log says so
+    once; a later prepare captures nothing either."""
+
+    class Waiting:
+        calls = 0
+
+        def capture(self, ids, concat=True):
+            self.calls += 1
+            if self.calls == 2:  # the check: the forward's second run, after the warm-up's
+                raise RuntimeError("called a synchronizing CUDA operation\nmore detail")
+            return ids[..., None].float() * 2, None
+
+    logged = []
+    target = Waiting()
+    graphed = _graphed(monkeypatch, target, logged)
+    graphed.prepare([(2, 8)])
+    graphed.prepare([(1, 16)])
+    assert graphed.refused == "called a synchronizing CUDA operation" and not graphed.steps
+    assert len(logged) == 1 and "makes the host wait" in logged[0] and "without graphs" in logged[0]
+    ids = torch.randint(0, 9, (2, 8))
+    features, head = graphed.capture(ids)
+    assert head is None and torch.equal(features, ids[..., None].float() * 2)
+    assert graphed.graphs.num_captured == 0
+
+
+def test_graphed_target_stops_the_warm_up_when_a_capture_fails(monkeypatch):
+    """A capture that fails although the forward passed the check stops the warm-up with an
+    error that names the shape and the switch (the process's CUDA state cannot be trusted after
+    a failed capture, so there is no quiet fallback)."""
+    from dflash_train import decode
+    from dflash_train.errors import InputError
+    from dflash_train.target import GraphedTarget
+
+    class Target:
+        def capture(self, ids, concat=True):
+            return ids[..., None].float() * 2, None
+
+    class Failing(_OutsidePoolGraphs):
+        def _record(self, fn, static):
+            if static[0].shape[1] == 8:
+                raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+            return super()._record(fn, static)
+
+    monkeypatch.setattr(decode, "Graphs", Failing)
+    graphed = GraphedTarget(Target(), torch.device("cpu"))
+    with pytest.raises(InputError, match=r"shape \(2, 8\).*operation not permitted when stream is capturing\); "
+                                         r"set target.cuda_graphs=false"):
+        graphed.prepare([(1, 16), (2, 8)])
+
+
+@pytest.mark.parametrize("split_fc", [False, True])
+def test_producer_warm_up_prepares_a_graphed_target_for_its_capture(split_fc):
+    """The producer's warm-up hands a graphed target its shapes with the concat flag its own
+    captures will use (per-tap features with split fc layers); a plain target runs each shape
+    once, with that flag too."""
+    seen = []
+
+    class Plain:
+        def capture(self, ids, concat=True):
+            seen.append(("capture", tuple(ids.shape), concat))
+            return ids[..., None].float(), None
+
+    class Graphed(Plain):
+        def prepare(self, shapes, concat=True):
+            seen.append(("prepare", list(shapes), concat))
+
+    kw = dict(device=torch.device("cpu"), noise=None, split_fc=split_fc, pad_to=8, micro_per_step=1,
+              faults=None, timer=None, log=print)
+    Producer(Graphed(), None, **kw).warm_up([(4, 16), (2, 32)])
+    assert seen == [("prepare", [(4, 16), (2, 32)], not split_fc)]
+    seen.clear()
+    Producer(Plain(), None, **kw).warm_up([(4, 16), (2, 32)])
+    assert seen == [("capture", (4, 16), not split_fc), ("capture", (2, 32), not split_fc)]
