@@ -370,8 +370,8 @@ def train_drafter(run: Run) -> Path | None:
     """Train to the end (or a stop), then export; returns the exported drafter folder (None on
     ranks other than the leader; the checkpoints folder after a signal)."""
     cfg, control, checkpoints = run.cfg, run.control, run.checkpoints
-    if not resume(run):
-        warm_up(run)
+    resume(run)
+    warm_up(run)  # resumed or not: compiled shapes, and on CUDA the target's graphs
     if run.dist.is_leader:  # after resume: a refused checkpoint leaves the folder as it was
         run.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, run.out / "config.yaml")

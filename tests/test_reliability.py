@@ -121,6 +121,20 @@ def test_delay_fault_sleeps_after_the_step(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- checkpoints
 
 
+def test_a_resumed_run_warms_up_its_target_too(tmp_path, monkeypatch):
+    """train_drafter warms the target up (on a GPU: compiled shapes and the target's CUDA graphs)
+    whether it starts fresh or resumes from a checkpoint; a resumed run without it would train
+    without its graphs."""
+    from dflash_train import train as train_module
+
+    warmed = []
+    real = train_module.warm_up
+    monkeypatch.setattr(train_module, "warm_up", lambda run: (warmed.append(run.steps_done), real(run)))
+    assert cli.main(train_args(tmp_path, "train.max_steps=4", "checkpoint.every=2")) == 0
+    assert cli.main(train_args(tmp_path, "train.max_steps=6", "checkpoint.every=2")) == 0
+    assert warmed == [0, 4]
+
+
 def test_corrupted_checkpoint_fault_falls_back_and_says_which(reference_run, tmp_path, capsys):
     assert cli.main(train_args(tmp_path, f"train.max_steps={STEPS}",
                                f"faults.corrupt_checkpoint_at_steps=[{STEPS}]")) == 0
