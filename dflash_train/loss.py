@@ -197,18 +197,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 grad_MH[s:e] = grad
         ctx.save_for_backward(grad_MH if grad_MH is not None else hidden_MH.new_empty(0))
         ctx.mark_non_differentiable(preds_M, scored_M, logq_M)
-        ctx.chunk_rows = chunk_rows
         return row_M, preds_M, scored_M, logq_M
 
     @staticmethod
     def backward(ctx, grad_row_M, *_):
         (grad_MH,) = ctx.saved_tensors
+        # One kernel: each product is formed in float32 (the common dtype of the gradient and
+        # the float32 row weights) and rounded to the gradient's dtype once as it is stored (as
+        # when the weight scaled it in the forward); no float32 temporary.
         out_MH = torch.empty_like(grad_MH)
-        # Chunk by chunk: the float32 product of a chunk is the only temporary, and each row
-        # is rounded to the gradient's dtype once (as when the weight scaled it in the forward).
-        for s in range(0, grad_MH.shape[0], ctx.chunk_rows):
-            e = s + ctx.chunk_rows
-            out_MH[s:e] = grad_MH[s:e] * grad_row_M[s:e, None]
+        torch.mul(grad_MH, grad_row_M[:, None], out=out_MH)
         return (out_MH, None, None, None, None, None, None)
 
 

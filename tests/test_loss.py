@@ -348,3 +348,26 @@ def test_dpace_with_distillation_scores_the_targets_greedy_token():
     w = dpace_weights(conf.view(-1, B), valid.view(-1, B), alpha).flatten().double()
     out = block_loss(hidden, weight, labels, valid, B, target_hidden_MH=target, weighting="dpace", dpace_alpha=alpha)
     torch.testing.assert_close(out.loss_sum.double(), (w * kl).sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_loss_backward_scales_each_rows_gradient_and_rounds_once():
+    """_ChunkedLinearLoss's backward: the input gradient of row m is the forward's d loss_m / d h
+    (formed chunk by chunk) times the incoming d total / d loss_m, the product formed in float32
+    and rounded to bf16 once: bit for bit, whatever the chunking (one kernel over all rows, no
+    float32 temporary)."""
+    from dflash_train.loss import hard_chunk_loss
+
+    torch.manual_seed(0)
+    M, H, V = 37, 16, 50
+    h = torch.randn(M, H).to(torch.bfloat16)
+    weight = (torch.randn(V, H) * 0.3).to(torch.bfloat16)
+    labels = torch.randint(0, V, (M,))
+    row_weights = torch.rand(M) * 3 + 0.01
+    for chunk_rows in (5, 37, 64):
+        per_row = torch.cat([hard_chunk_loss(h[s:s + chunk_rows], weight, labels[s:s + chunk_rows], True)[3]
+                             for s in range(0, M, chunk_rows)])  # d loss_m / d h as the forward forms it, bf16
+        want = (per_row.float() * row_weights[:, None]).to(torch.bfloat16)
+        x = h.clone().requires_grad_()
+        rows = _ChunkedLinearLoss.apply(x, weight, labels, None, chunk_rows, False, "torch")[0]
+        (rows * row_weights).sum().backward()
+        assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, want), chunk_rows
