@@ -7,8 +7,9 @@ Owns every torch.compile of training and benchmarks, decided from the config and
   exact anchor counts (train.anchor_buckets_per_doubling=0) torch's default shape handling (a
   second shape recompiles once, dynamic in the query count); with the kernel options of
   `flex_kernel_options` (train.flex_kernel_options, or tiles chosen by head dim).
-- the drafter's layers (`train.compile`), each as a module, with torch's default shape
-  handling (a second shape recompiles once, dynamic in the dimensions that changed).
+- the drafter's layers and its two norms outside them (`train.compile`), each as a module,
+  with torch's default shape handling (a second shape recompiles once, dynamic in the
+  dimensions that changed).
 - the loss's per-chunk math (`train.compile`, CUDA only, where `train.loss_kernel` leaves the
   chunk to torch operations, i.e. distillation or loss_kernel=torch: there it is memory-bound
   passes over [chunk, vocab] logits that inductor fuses; CPU runs are tests and tiny benches);
@@ -174,9 +175,14 @@ def fp8_linear_layers(drafter, recipe: str) -> list[str]:
 
 
 def compile_drafter_layers(drafter) -> None:
+    """Each decoder layer of the drafter, and its two norms outside them (of the fc's output,
+    and the final one before the lm_head): eager, an RMSNorm is about nine passes over a float32
+    copy of its input each way, and the final one's input is every block row ([rows, H])."""
     _raise_recompile_limit()
     for layer in drafter.layers:
         layer.compile()
+    drafter.hidden_norm.compile()
+    drafter.norm.compile()
 
 
 def compile_target_layers(target) -> None:

@@ -204,3 +204,20 @@ def test_flex_kernel_passes_is_divisible_where_both_lengths_are_multiples_of_128
         assert drafter.flex_kernel(q, kv, kv, block_mask=None, scale=0.5, enable_gqa=True) is q
     given = options or None
     assert calls == [{**(options or {}), "IS_DIVISIBLE": True}, given, given, {**(options or {}), "IS_DIVISIBLE": True}]
+
+
+def test_train_compile_covers_the_drafters_layers_and_its_two_norms_outside_them():
+    """compile_drafter_layers (train.compile) compiles each decoder layer and the two norms the
+    drafter runs outside them (the fc output's and the final one): eager, each norm makes about
+    nine passes over a float32 copy of its input, forward and backward. Module.compile keeps the
+    parameters' names (checkpoints and exports unchanged)."""
+    from conftest import tiny_drafter
+    from dflash_train.compilation import compile_drafter_layers
+
+    drafter = tiny_drafter()
+    names = [n for n, _ in drafter.named_parameters()]
+    compile_drafter_layers(drafter)
+    compiled = [m for m in (*drafter.layers, drafter.hidden_norm, drafter.norm)
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    assert len(compiled) == len(drafter.layers) + 2
+    assert [n for n, _ in drafter.named_parameters()] == names
