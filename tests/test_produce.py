@@ -22,6 +22,13 @@ def test_feature_noise():
     assert torch.equal(add_feature_noise(x, "uniform", 0.05, step_generator(0, 1)), u)
     with pytest.raises(ValueError, match="noise kind"):
         add_feature_noise(x, "pink", 0.05)
+    # bf16 features (a GPU run's) stay bf16: each sum of the feature and its float32 noise is
+    # rounded once, so it is the nearest bf16 to the exact sum.
+    b = torch.randn(2000, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    noised = add_feature_noise(b, "uniform", 0.05, step_generator(0, 1))
+    noise32 = torch.empty(b.shape).uniform_(-0.05, 0.05, generator=step_generator(0, 1))
+    assert noised.dtype == torch.bfloat16 and torch.equal(noised, (b.float() + noise32).to(torch.bfloat16))
+    assert 0.045 < (noised.float() - b.float()).abs().max() < 0.06
 
 
 def random_batch(gen: torch.Generator, lengths: list[int], L: int, taps: int, H: int):
