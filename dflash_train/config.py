@@ -173,8 +173,8 @@ class TrainSection:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """Drafter attention: auto = flex on CUDA, sdpa (dense mask) on CPU."""
     compile: bool = False
-    """torch.compile the drafter layers and, on CUDA, the lm_head loss's per-chunk math (where
-    `loss_kernel` leaves it to torch)."""
+    """torch.compile the drafter layers (and its two norms outside them) and, on CUDA, the
+    lm_head loss's per-chunk math (where `loss_kernel` leaves it to torch)."""
     loss_kernel: Literal["auto", "triton", "torch"] = "auto"
     """What computes the loss between the lm_head's two matrix products (log-softmax, argmax,
     the label's log-probability, the softmax the input gradient multiplies): triton = one
