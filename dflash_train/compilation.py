@@ -138,15 +138,12 @@ def compile_flex_attention(kernel_options: dict | None = None, dynamic: bool = F
     if dynamic not in _flex:
         _flex[dynamic] = torch.compile(flex_attention, dynamic=None if dynamic else False)
     kernel = _flex[dynamic]
-    options = dict(kernel_options or {})
-    divisible = {**options, "IS_DIVISIBLE": True}
+    options = dict(kernel_options) if kernel_options else None
+    divisible = {**(options or {}), "IS_DIVISIBLE": True}
 
     def flex_kernel(query, key, value, **kwargs):
-        if query.shape[-2] % FLEX_DIVISOR == 0 and key.shape[-2] % FLEX_DIVISOR == 0:
-            return kernel(query, key, value, kernel_options=divisible, **kwargs)
-        if options:
-            return kernel(query, key, value, kernel_options=options, **kwargs)
-        return kernel(query, key, value, **kwargs)
+        whole = query.shape[-2] % FLEX_DIVISOR == 0 and key.shape[-2] % FLEX_DIVISOR == 0
+        return kernel(query, key, value, kernel_options=divisible if whole else options, **kwargs)
 
     drafter.flex_kernel = flex_kernel
 

@@ -261,7 +261,7 @@ class Producer:
         try:
             self.faults.target_forward(step)
             ids = to_device(batch.input_ids, self.device)
-            captured = self.target.capture(ids, concat=False) if self.split_fc else self.target.capture(ids)
+            captured = self.forward(ids)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             failure = f"{type(err).__name__}: {err}"
         else:
@@ -282,8 +282,9 @@ class Producer:
             self.target.prepare(shapes, concat=not self.split_fc)
             return
         for rows, length in shapes:
-            ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
-            if self.split_fc:
-                self.target.capture(ids, concat=False)
-            else:
-                self.target.capture(ids)
+            self.forward(torch.zeros(rows, length, dtype=torch.long, device=self.device))
+
+    def forward(self, ids: torch.Tensor):
+        """The target's capture of `ids`: per-tap features with split fc layers, else concatenated
+        (stand-in targets of the benchmarks take no concat flag)."""
+        return self.target.capture(ids, concat=False) if self.split_fc else self.target.capture(ids)

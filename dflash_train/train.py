@@ -619,8 +619,8 @@ def warm_up(run: Run) -> None:
     started = time.perf_counter()
     run.producer.warm_up(run.plan.shapes)
     torch.cuda.synchronize(run.dist.device)
-    graphs = getattr(run.producer.target, "steps", None)  # target.GraphedTarget: the shapes captured
-    captured = f", {len(graphs)} of them captured as CUDA graphs" if graphs is not None else ""
+    target = run.producer.target
+    captured = f", {len(target.steps)} of them captured as CUDA graphs" if isinstance(target, GraphedTarget) else ""
     run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s{captured}")
 
 

@@ -8,7 +8,8 @@ output and gradients.
     python scripts/flex_timing.py --settings default flash --layout strided
 
 Settings: `default` (the trainer's kernel options for this head dim, compilation.
-flex_kernel_options), `torch` (torch's own choice), `flash` (BACKEND=FLASH: flex's CuTe-DSL
+flex_kernel_options; the kernel the trainer hands the drafter adds IS_DIVISIBLE where both
+lengths are multiples of 128, as the default row's are), `torch` (torch's own choice), `flash` (BACKEND=FLASH: flex's CuTe-DSL
 kernels; needs the flash-attn-4 package and its nvidia-cutlass-dsl libraries), `prescale`
 (`default` plus bwd_PRESCALE_QK). The row: documents of uniform random length in
 [--min-length, --max-length] packed until --tokens, the last half of each supervised, up to
