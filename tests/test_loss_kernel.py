@@ -80,6 +80,22 @@ def check_argmax_ties_take_the_first_column() -> None:
     assert preds.tolist() == [5, 70, 10, 150] == logits.argmax(-1).tolist()
 
 
+def check_softmax_covers_every_column() -> None:
+    """The softmax pass (run from the last step back) writes every column exactly, whether V
+    is a whole number of steps, has a partial last step, or is under one step."""
+    from dflash_train.loss_kernel import _hard_rows_kernel
+
+    block = 64
+    for V in (256, 300, 50):
+        logits = torch.randn(3, V) * 4
+        expected = torch.softmax(logits, dim=-1)
+        loss, picked, preds = torch.empty(3), torch.empty(3), torch.empty(3, dtype=torch.long)
+        labels = torch.zeros(3, dtype=torch.long)
+        _hard_rows_kernel[(3,)](logits, logits.stride(0), labels, loss, preds, picked, V,
+                                WRITE_SOFTMAX=True, BLOCK=block)
+        torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-5)
+
+
 def check_block_loss_kernels_agree() -> None:
     """block_loss(kernel=triton) against kernel=torch: loss, weights, statistics and the gradient
     through the row weights (decay and D-PACE), chunks of 16 rows with a shorter last one."""
@@ -112,6 +128,10 @@ def check_block_loss_kernels_agree() -> None:
 
 def test_kernel_chunk_equals_torch_chunk_and_float64_autograd():
     _interpreted("check_chunk_against_torch_and_float64")
+
+
+def test_kernel_softmax_covers_every_column():
+    _interpreted("check_softmax_covers_every_column")
 
 
 def test_kernel_argmax_takes_the_first_maximal_column():
