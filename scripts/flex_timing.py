@@ -15,7 +15,12 @@ kernels; needs the flash-attn-4 package and its nvidia-cutlass-dsl libraries), `
 [--min-length, --max-length] packed until --tokens, the last half of each supervised, up to
 --anchors anchors per document (`masks.sample_anchors`), blocks of --block-size; heads and head
 dim SmolLM2-135M's by default (9 query heads, 3 key/value heads, 64). `--layout strided` hands
-the kernel [1, S, heads, dim] memory seen as [1, heads, S, dim], as the drafter's layers do."""
+the kernel [1, S, heads, dim] memory seen as [1, heads, S, dim], as the drafter's layers do.
+
+`--tiles` only counts the row's BlockMask tiles by kind (context keys or the blocks' own keys,
+full or partial: `tile_counts`) and prints them; it runs on any device, CPU included.
+
+    python scripts/flex_timing.py --tiles --seed 3"""
 
 import argparse
 import json
@@ -46,6 +51,25 @@ def packed_row(args, device):
                                    generator=torch.Generator(device=device).manual_seed(args.seed),
                                    pad_to_multiple=64)
     return masks.build_layout(anchors, loss_mask, doc_lengths, args.block_size), lengths
+
+
+def tile_counts(block_mask, num_ctx: int) -> dict:
+    """Kept tiles of a BlockMask by kind: keys all in the context ([0, num_ctx)), all among the
+    blocks' own keys (from num_ctx on), or straddling both; each full or partial."""
+    tile = block_mask.BLOCK_SIZE[1]
+    counts = {}
+    for kind, num, idx in (("partial", block_mask.kv_num_blocks, block_mask.kv_indices),
+                           ("full", block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        if num is None:
+            continue
+        num, idx = num.flatten(0, -2)[0].cpu(), idx.flatten(0, -3)[0].cpu()
+        kept = idx[torch.arange(idx.shape[-1])[None, :] < num[:, None]].long()
+        context = (kept + 1) * tile <= num_ctx
+        own = kept * tile >= num_ctx
+        counts[f"context_{kind}"] = int(context.sum())
+        counts[f"block_own_{kind}"] = int(own.sum())
+        counts[f"straddling_{kind}"] = int((~context & ~own).sum())
+    return counts
 
 
 def options(setting: str, head_dim: int) -> dict:
@@ -87,7 +111,14 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiles", action="store_true", help="count the BlockMask's tiles by kind and stop")
     args = p.parse_args()
+    if args.tiles:
+        layout, lengths = packed_row(args, torch.device("cpu"))
+        counts = tile_counts(masks.layout_block_mask(layout), layout.num_ctx)
+        print(json.dumps({"documents": len(lengths), "tokens": sum(lengths), "blocks": layout.num_blocks,
+                          "query_tiles": -(-layout.num_blocks * args.block_size // 128), **counts}))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("flex_timing.py times CUDA kernels: no CUDA device is visible")
     device = torch.device("cuda")

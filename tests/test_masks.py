@@ -361,3 +361,41 @@ def test_sample_anchors_with_a_host_count_equal_the_synced_ones(multiple, bucket
         want, n = sample_anchors(loss_mask, lengths, k, step_generator(9, case), **kw)
         got, m = sample_anchors(loss_mask, lengths, k, step_generator(9, case), count=count, **kw)
         assert got.dtype == want.dtype and torch.equal(got, want) and m == n == count, case
+
+
+def test_flex_timing_counts_the_block_masks_tiles_by_kind():
+    """scripts/flex_timing.py --tiles (the tile counts docs/PERFORMANCE.md quotes) against the
+    dense rule read tile by tile: kept and full tiles, split into context keys and the blocks'
+    own keys."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "flex_timing.py"
+    spec = importlib.util.spec_from_file_location("flex_timing", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = argparse.Namespace(tokens=1024, min_length=96, max_length=400, anchors=24, block_size=16, seed=1)
+    layout, _ = script.packed_row(args, torch.device("cpu"))
+    counts = script.tile_counts(layout_block_mask(layout), layout.num_ctx)
+
+    T, Q = layout.num_ctx, layout.num_blocks * layout.block_size
+    dense = dense_mask(layout.mask_mod(), Q, T + Q, "cpu")
+    nq, nkv = -(-Q // 128), -(-(T + Q) // 128)
+    padded = torch.zeros(nq * 128, nkv * 128, dtype=torch.bool)
+    padded[:Q, : T + Q] = dense
+    tiles = padded.view(nq, 128, nkv, 128)
+    kept = tiles.any(dim=3).any(dim=1)
+    # Full: every pair of the tile visible, over the tile's rows and keys that exist.
+    real = torch.zeros_like(padded)
+    real[:Q, : T + Q] = True
+    full = (tiles | ~real.view(nq, 128, nkv, 128)).all(dim=3).all(dim=1) & kept
+    j = torch.arange(nkv)
+    context, own = (j + 1) * 128 <= T, j * 128 >= T
+    expected = {}
+    for kind, mask in (("partial", kept & ~full), ("full", full)):
+        expected[f"context_{kind}"] = int(mask[:, context].sum())
+        expected[f"block_own_{kind}"] = int(mask[:, own].sum())
+        expected[f"straddling_{kind}"] = int(mask[:, ~context & ~own].sum())
+    assert counts == expected
+    assert counts["block_own_partial"] > 0 and counts["context_full"] > 0
