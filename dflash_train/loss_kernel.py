@@ -8,9 +8,9 @@ and writes the softmax over the logits, in their dtype, in place: at most three 
 memory traffic over the [C, V] logits where the compiled torch chunk makes more, and no float32
 [C, V] buffer. The second read runs from the row's last columns back, so that it starts on what
 the first read left in L2 last (a row of SmolLM2's vocabulary is 96 KiB, and by occupancy up to
-about a thousand rows are in flight, more than L2 holds): on one H200 that took the kernel from 5.75 to 5.40 ms per smollm2 step
-(docs/PERFORMANCE.md). The softmax is element-wise once the row's max and sum are known, so the
-order changes no result.
+about a thousand rows are in flight, more than L2 holds): on one H200 that took the kernel from
+5.75 to 5.40 ms per smollm2 step (docs/PERFORMANCE.md). The softmax is element-wise once the
+row's max and sum are known, so the order changes no result.
 
 The pure-torch twin of this math is `loss.hard_chunk_loss` (float32 log-softmax of the logits
 as the matmul produced them, argmax on the same logits, the label column of the gradient as

@@ -115,9 +115,10 @@ def main() -> None:
     args = p.parse_args()
     if args.tiles:
         layout, lengths = packed_row(args, torch.device("cpu"))
-        counts = tile_counts(masks.layout_block_mask(layout), layout.num_ctx)
+        block_mask = masks.layout_block_mask(layout)
         print(json.dumps({"documents": len(lengths), "tokens": sum(lengths), "blocks": layout.num_blocks,
-                          "query_tiles": -(-layout.num_blocks * args.block_size // 128), **counts}))
+                          "query_tiles": block_mask.kv_num_blocks.shape[-1],
+                          **tile_counts(block_mask, layout.num_ctx)}))
         return
     if not torch.cuda.is_available():
         raise SystemExit("flex_timing.py times CUDA kernels: no CUDA device is visible")

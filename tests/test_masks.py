@@ -380,16 +380,11 @@ def test_flex_timing_counts_the_block_masks_tiles_by_kind():
     counts = script.tile_counts(layout_block_mask(layout), layout.num_ctx)
 
     T, Q = layout.num_ctx, layout.num_blocks * layout.block_size
-    dense = dense_mask(layout.mask_mod(), Q, T + Q, "cpu")
-    nq, nkv = -(-Q // 128), -(-(T + Q) // 128)
-    padded = torch.zeros(nq * 128, nkv * 128, dtype=torch.bool)
-    padded[:Q, : T + Q] = dense
-    tiles = padded.view(nq, 128, nkv, 128)
+    assert T % 128 == 0 and Q % 128 == 0  # whole tiles: a tile is full iff all its pairs are visible
+    nq, nkv = Q // 128, (T + Q) // 128
+    tiles = dense_mask(layout.mask_mod(), Q, T + Q, "cpu").view(nq, 128, nkv, 128)
     kept = tiles.any(dim=3).any(dim=1)
-    # Full: every pair of the tile visible, over the tile's rows and keys that exist.
-    real = torch.zeros_like(padded)
-    real[:Q, : T + Q] = True
-    full = (tiles | ~real.view(nq, 128, nkv, 128)).all(dim=3).all(dim=1) & kept
+    full = tiles.all(dim=3).all(dim=1)
     j = torch.arange(nkv)
     context, own = (j + 1) * 128 <= T, j * 128 >= T
     expected = {}
