@@ -140,6 +140,24 @@ def _soft_chunk_loss(h_CH, weight_VH, target_CH, need_grad: bool):
     return kl_C, preds_C, greedy_C, picked_C, logq_CV.to(weight_VH.dtype) @ weight_VH
 
 
+TAIL_ROW_MULTIPLE = 512
+"""A last, shorter lm_head chunk is padded to a multiple of this many rows (`tail_rows`).
+
+The tail's row count follows the step's anchor count, so unpadded it took a new value almost
+every step. On one H200 (torch 2.11, CUDA 13) the cuBLAS product of some of those row counts
+(the logits of tails of 469, 603 and 2,277 rows against SmolLM2's 49,152 x 576 lm_head, the
+input gradient of one of 3,397) held the host for 52-61 ms, until the GPU had run out of queued
+work, in 4 of 20 steps of the smollm2 bench, the same steps in each of seven runs. Padded, a
+tail has one of chunk_rows / 512 shapes (8 for chunks of 4,096 rows), for at most 511 rows of
+extra lm_head work."""
+
+
+def tail_rows(rows: int, chunk_rows: int) -> int:
+    """The rows a chunk of `rows` (at most `chunk_rows`) is run with: `rows` rounded up to a
+    multiple of TAIL_ROW_MULTIPLE, at most `chunk_rows` (a whole chunk stays as it is)."""
+    return min(chunk_rows, -(-rows // TAIL_ROW_MULTIPLE) * TAIL_ROW_MULTIPLE)
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
     """Per-row loss of hidden @ W^T, computed chunk by chunk: CE towards `labels_M`, or, given
     `target_MH` (the target's final hidden state per row), KL from the target's distribution.
@@ -149,12 +167,13 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     each row's loss with respect to `hidden` is formed in the forward, chunk by chunk, so only
     one chunk of logits is ever alive; backward only scales row m by the incoming d loss /
     d row_m (the row weights, which may therefore depend on this forward's outputs). The
-    lm_head weight and the target belong to the frozen target and get no gradient. With
-    `compiled`, every chunk but the last has `chunk_rows` rows (one static graph); a last,
-    shorter chunk runs its own graph, compiled once with the row count dynamic, on its rows
-    only (before 2026-12-03 it was padded to `chunk_rows` with zeros, lm_head work for nothing).
-    `kernel="triton"` (hard labels only): each chunk, whatever its rows, runs
-    `loss_kernel.triton_hard_chunk_loss` (the same math, its element-wise middle one kernel).
+    lm_head weight and the target belong to the frozen target and get no gradient. Every chunk
+    but the last has `chunk_rows` rows; a last, shorter chunk is padded with zero rows (label 0,
+    outputs dropped) to `tail_rows`: a multiple of TAIL_ROW_MULTIPLE, at most a whole chunk.
+    With `compiled`, whole chunks run one static graph and a padded tail shorter than a chunk
+    its own graph, compiled once with the row count dynamic. `kernel="triton"` (hard labels
+    only): each chunk runs `loss_kernel.triton_hard_chunk_loss` (the same math, its
+    element-wise middle one kernel).
     """
 
     @staticmethod
@@ -182,19 +201,26 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             full = tail = _soft_chunk_loss if soft else hard_chunk_loss
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
+            n = e - s
             h, aux = hidden_MH[s:e], (target_MH if soft else labels_M)[s:e]
+            padded = tail_rows(n, chunk_rows)
+            if padded > n:  # zero rows with label 0 (zero target rows): scored, then dropped
+                h = torch.nn.functional.pad(h, (0, 0, 0, padded - n))
+                aux = torch.nn.functional.pad(aux, (0, 0, 0, padded - n) if soft else (0, padded - n))
             chunk = full
-            if e - s < chunk_rows:
+            if padded < chunk_rows:
                 chunk = tail
                 if compiled and kernel == "torch":  # one graph for any row count (a 1-row tail gets its own)
                     torch._dynamo.maybe_mark_dynamic(h, 0)
                     torch._dynamo.maybe_mark_dynamic(aux, 0)
+            out = chunk(h, weight_VH, aux, need_grad)
             if soft:
-                row_M[s:e], preds_M[s:e], scored_M[s:e], logq_M[s:e], grad = chunk(h, weight_VH, aux, need_grad)
+                row_M[s:e], preds_M[s:e], scored_M[s:e], logq_M[s:e] = (t[:n] for t in out[:4])
             else:
-                row_M[s:e], preds_M[s:e], logq_M[s:e], grad = chunk(h, weight_VH, aux, need_grad)
+                row_M[s:e], preds_M[s:e], logq_M[s:e] = (t[:n] for t in out[:3])
+            grad = out[-1]
             if grad_MH is not None:
-                grad_MH[s:e] = grad
+                grad_MH[s:e] = grad[:n]
         ctx.save_for_backward(grad_MH if grad_MH is not None else hidden_MH.new_empty(0))
         ctx.mark_non_differentiable(preds_M, scored_M, logq_M)
         return row_M, preds_M, scored_M, logq_M
@@ -256,7 +282,8 @@ def block_loss(
     each row by a detached function of the drafter's probability of its label and normalise by
     the number of supervised rows, so the weights keep their absolute size.
     `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
-    chunks are min(chunk_rows, R) long, the last one its own graph with dynamic rows).
+    chunks are min(chunk_rows, R) long, a shorter last one padded to `tail_rows` and, shorter
+    than a chunk, its own graph with dynamic rows).
     `kernel`: "torch" (the chunk's math as torch operations, compiled with `compile`) or
     "triton" (hard labels only: `loss_kernel.triton_hard_chunk_loss`, one Triton kernel
     between the two cuBLAS products; CUDA, or Triton's interpreter on CPU).

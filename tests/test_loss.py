@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train import loss
 from dflash_train.loss import (_ChunkedLinearLoss, accepted_run_length, block_loss, default_gamma, dpace_weights,
-                               position_weights)
+                               position_weights, tail_rows)
 
 
 def _case(seed=0, N=7, B=4, H=16, V=50):
@@ -105,9 +106,9 @@ def test_compiled_chunks_equal_eager(soft):
 
 
 def test_compiled_tail_chunks_share_one_graph(monkeypatch):
-    """A last, shorter chunk runs the tail graph on its own rows (no padding): tails of other
-    lengths reuse that graph, full chunks keep theirs, and the results equal the eager path.
-    Skipped without a C++ compiler."""
+    """A last, shorter chunk is padded to the tail multiple: padded to a whole chunk it runs the
+    full chunks' graph, shorter the tail graph, whose later lengths reuse it; the results equal
+    the eager path. Skipped without a C++ compiler."""
     import shutil
 
     from torch._dynamo.utils import counters
@@ -128,11 +129,12 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
         return call
 
     monkeypatch.setattr(compilation, "loss_chunk", spied)
+    monkeypatch.setattr(loss, "TAIL_ROW_MULTIPLE", 4)
     B = 4
     hidden, weight, labels, valid = _case(seed=29, N=12, B=B, H=32, V=300)  # 36 scored rows
     hidden, weight = hidden.float(), weight.float()
     graphs = []
-    for rows in (36, 33, 30, 27):  # 3 scored rows a block: no tail, then tails of 9, 6, 3 rows
+    for rows in (36, 33, 30, 27):  # 3 scored rows a block: no tail, then tails of 9, 6, 3 rows (12, 8, 4 padded)
         n = rows // (B - 1) * B
         h = hidden[:n].clone().requires_grad_(True)
         comp = block_loss(h, weight, labels[:n], valid[:n], B, gamma=7.0, chunk_rows=12, compile=True)
@@ -144,10 +146,49 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
         torch.testing.assert_close(h.grad, g.grad, atol=1e-5, rtol=1e-5)
         assert torch.equal(comp.correct_K, eager.correct_K) and torch.equal(comp.run_hist, eager.run_hist)
         graphs.append(int(counters["stats"]["unique_graphs"]))
-    assert calls == [(False, 12)] * 3 + [(False, 12)] * 2 + [(True, 9)] + [(False, 12)] * 2 + [(True, 6)] \
-        + [(False, 12)] * 2 + [(True, 3)]
-    # after the first tail (33 rows), tails of other lengths compile nothing new
-    assert graphs[2] == graphs[3] == graphs[1]
+    assert calls == [(False, 12)] * 3 + [(False, 12)] * 3 + [(False, 12)] * 2 + [(True, 8)] \
+        + [(False, 12)] * 2 + [(True, 4)]
+    # a tail padded to a whole chunk compiles nothing new; after the first shorter tail (30
+    # rows), tails of other lengths neither
+    assert graphs[1] == graphs[0] and graphs[3] == graphs[2]
+
+
+def test_tail_rows():
+    assert loss.TAIL_ROW_MULTIPLE == 512
+    assert [tail_rows(n, 4096) for n in (1, 469, 512, 513, 3397, 3585, 4096)] == [512, 512, 512, 1024, 3584, 4096, 4096]
+    assert tail_rows(9, 12) == 12  # never past a whole chunk
+
+
+def test_a_shorter_last_chunk_is_padded_with_zero_rows(monkeypatch):
+    """The last chunk's rows are padded with zero rows and label 0 to the tail multiple, the
+    padding's outputs dropped: what the chunk function receives, and loss, gradient and
+    statistics equal to one unpadded chunk. (tests/test_loss_kernel.py runs block_loss with the
+    Triton kernel, whose chunks go through the same padding.)"""
+    B = 4
+    hidden, weight, labels, valid = _case(seed=31, N=40, B=B, H=16, V=300)  # 120 scored rows
+    hidden, weight = hidden.float(), weight.float()
+    real = loss.hard_chunk_loss
+    seen = []
+
+    def spied(h, w, labels_C, need_grad):
+        seen.append((h.shape[0], labels_C.shape[0], h[h.shape[0] - 1].abs().sum().item(), labels_C[-1].item()))
+        return real(h, w, labels_C, need_grad)
+
+    monkeypatch.setattr(loss, "hard_chunk_loss", spied)
+    monkeypatch.setattr(loss, "TAIL_ROW_MULTIPLE", 16)
+    outs = []
+    for chunk in (48, 120):  # 48 + 48 + 24 rows (the last padded to 32), then one chunk of 120
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk)
+        out.loss_sum.backward()
+        outs.append((out, h.grad))
+    assert [r[:2] for r in seen] == [(48, 48), (48, 48), (32, 32), (120, 120)]
+    assert seen[2][2:] == (0.0, 0)  # the padding: a zero row, label 0
+    (padded, g_padded), (whole, g_whole) = outs
+    torch.testing.assert_close(padded.loss_sum, whole.loss_sum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_padded, g_whole, atol=1e-5, rtol=1e-5)
+    for field in ("correct_K", "count_K", "run_sum", "num_blocks", "run_hist"):
+        assert torch.equal(getattr(padded, field), getattr(whole, field)), field
 
 
 @pytest.mark.parametrize("soft,weighting", [(False, "decay"), (False, "dpace"), (True, "decay"), (True, "dpace")])
