@@ -338,3 +338,42 @@ def test_sync_sites_count_synchronising_warnings_by_call_site():
     assert all(site.startswith(__file__) or "test_bench.py" in site for site, _ in syncs.sites)
     lines = syncs.lines(2)
     assert "2.0 per step" in lines[1] and lines[2].strip().startswith("1.5")
+
+
+def test_host_lead_probes_every_stage_layer_and_the_loss_then_restores_the_run(tmp_path):
+    """scripts/host_lead.py on the tiny workload (CPU, where every lead is 0): a row per stage
+    mark, per drafter layer's forward and backward and the loss's ends, a line per probed step;
+    afterwards the run's layers, the stage timer and the step's loss are the originals again."""
+    import gc
+    import importlib.util
+
+    from dflash_train import step as step_module
+    from dflash_train.metrics import StageTimer
+
+    spec = importlib.util.spec_from_file_location("host_lead", ROOT / "scripts" / "host_lead.py")
+    host_lead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_lead)
+    mark, block_loss, callbacks = StageTimer.mark, step_module.block_loss, list(gc.callbacks)
+    built = []
+    real_build = bench.build_run
+
+    def build(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    bench.build_run = build
+    try:
+        lines = host_lead.main(["--workload", "tiny", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "r.txt")])
+    finally:
+        bench.build_run = real_build
+    names = [line.split()[0] for line in lines[2:lines.index(next(x for x in lines if x.startswith("per step")))]]
+    layers = built[0][0].step.drafter.layers
+    expected = ["stage:data", "stage:target", "stage:pack", "stage:mask", "stage:drafter_forward"] \
+        + [f"L{i}:fwd" for i in range(len(layers))] + ["loss:start", "loss:end", "stage:backward"] \
+        + [f"L{i}:bwd" for i in reversed(range(len(layers)))] + ["stage:optimizer", "stage:end"]
+    assert names == expected
+    assert sum(line.startswith("  step ") for line in lines) == 4
+    assert lines[0].startswith("4 probed steps")
+    assert (tmp_path / "r.txt").read_text().splitlines() == lines
+    assert all(type(layer).__name__ == "DFlashLayer" for layer in layers)
+    assert StageTimer.mark is mark and step_module.block_loss is block_loss and gc.callbacks == callbacks
