@@ -141,7 +141,7 @@ def _soft_chunk_loss(h_CH, weight_VH, target_CH, need_grad: bool):
 
 
 TAIL_ROW_MULTIPLE = 512
-"""A last, shorter lm_head chunk is padded to a multiple of this many rows (`tail_rows`).
+"""On CUDA, a last, shorter lm_head chunk is padded to a multiple of this many rows (`tail_rows`).
 
 The tail's row count follows the step's anchor count, so unpadded it took a new value almost
 every step. On one H200 (torch 2.11, CUDA 13) the cuBLAS product of some of those row counts
@@ -149,13 +149,18 @@ every step. On one H200 (torch 2.11, CUDA 13) the cuBLAS product of some of thos
 input gradient of one of 3,397) held the host for 52-61 ms, until the GPU had run out of queued
 work, in 4 of 20 steps of the smollm2 bench, the same steps in each of seven runs. Padded, a
 tail has one of chunk_rows / 512 shapes (8 for chunks of 4,096 rows), for at most 511 rows of
-extra lm_head work."""
+extra lm_head work. On CPU nothing stalls and the padding would only add work: none there."""
 
 
-def tail_rows(rows: int, chunk_rows: int) -> int:
+def tail_multiple(device: torch.device) -> int:
+    """The row multiple a last chunk is padded to on `device`: TAIL_ROW_MULTIPLE on CUDA, else 1."""
+    return TAIL_ROW_MULTIPLE if device.type == "cuda" else 1
+
+
+def tail_rows(rows: int, chunk_rows: int, multiple: int = TAIL_ROW_MULTIPLE) -> int:
     """The rows a chunk of `rows` (at most `chunk_rows`) is run with: `rows` rounded up to a
-    multiple of TAIL_ROW_MULTIPLE, at most `chunk_rows` (a whole chunk stays as it is)."""
-    return min(chunk_rows, -(-rows // TAIL_ROW_MULTIPLE) * TAIL_ROW_MULTIPLE)
+    multiple of `multiple`, at most `chunk_rows` (a whole chunk stays as it is)."""
+    return min(chunk_rows, -(-rows // multiple) * multiple)
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
@@ -169,7 +174,8 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     d row_m (the row weights, which may therefore depend on this forward's outputs). The
     lm_head weight and the target belong to the frozen target and get no gradient. Every chunk
     but the last has `chunk_rows` rows; a last, shorter chunk is padded with zero rows (label 0,
-    outputs dropped) to `tail_rows`: a multiple of TAIL_ROW_MULTIPLE, at most a whole chunk.
+    outputs dropped) to `tail_rows`: on CUDA a multiple of TAIL_ROW_MULTIPLE, at most a whole
+    chunk (`tail_multiple`).
     With `compiled`, whole chunks run one static graph and a padded tail shorter than a chunk
     its own graph, compiled once with the row count dynamic. `kernel="triton"` (hard labels
     only): each chunk runs `loss_kernel.triton_hard_chunk_loss` (the same math, its
@@ -199,11 +205,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             full, tail = loss_chunk(soft), loss_chunk(soft, tail=True)
         else:
             full = tail = _soft_chunk_loss if soft else hard_chunk_loss
+        multiple = tail_multiple(device)
+        # Detached, so that a chunk is the same input to a compiled chunk whether it is a slice
+        # (whole chunks, of a tensor that requires grad) or padded (a new tensor), in training
+        # and in evaluation alike: one graph per shape (requires_grad is one of its guards).
+        rows_MH = hidden_MH.detach()
         for s in range(0, M, chunk_rows):
             e = min(s + chunk_rows, M)
             n = e - s
-            h, aux = hidden_MH[s:e], (target_MH if soft else labels_M)[s:e]
-            padded = tail_rows(n, chunk_rows)
+            h, aux = rows_MH[s:e], (target_MH if soft else labels_M)[s:e]
+            padded = tail_rows(n, chunk_rows, multiple)
             if padded > n:  # zero rows with label 0 (zero target rows): scored, then dropped
                 h = torch.nn.functional.pad(h, (0, 0, 0, padded - n))
                 aux = torch.nn.functional.pad(aux, (0, 0, 0, padded - n) if soft else (0, padded - n))
@@ -282,8 +293,8 @@ def block_loss(
     each row by a detached function of the drafter's probability of its label and normalise by
     the number of supervised rows, so the weights keep their absolute size.
     `compile`: run each chunk's math through torch.compile (one fused graph per chunk shape;
-    chunks are min(chunk_rows, R) long, a shorter last one padded to `tail_rows` and, shorter
-    than a chunk, its own graph with dynamic rows).
+    chunks are min(chunk_rows, R) long, a shorter last one padded to `tail_rows` on CUDA and,
+    shorter than a chunk, its own graph with dynamic rows).
     `kernel`: "torch" (the chunk's math as torch operations, compiled with `compile`) or
     "triton" (hard labels only: `loss_kernel.triton_hard_chunk_loss`, one Triton kernel
     between the two cuBLAS products; CUDA, or Triton's interpreter on CPU).

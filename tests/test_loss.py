@@ -129,7 +129,7 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
         return call
 
     monkeypatch.setattr(compilation, "loss_chunk", spied)
-    monkeypatch.setattr(loss, "TAIL_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(loss, "tail_multiple", lambda device: 4)  # CUDA's padding, on CPU
     B = 4
     hidden, weight, labels, valid = _case(seed=29, N=12, B=B, H=32, V=300)  # 36 scored rows
     hidden, weight = hidden.float(), weight.float()
@@ -150,20 +150,22 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
         + [(False, 12)] * 2 + [(True, 4)]
     # a tail padded to a whole chunk compiles nothing new; after the first shorter tail (30
     # rows), tails of other lengths neither
-    assert graphs[1] == graphs[0] and graphs[3] == graphs[2]
+    assert graphs[1] == graphs[0] and graphs[3] == graphs[2], graphs
 
 
 def test_tail_rows():
-    assert loss.TAIL_ROW_MULTIPLE == 512
+    assert loss.tail_multiple(torch.device("cuda")) == 512 and loss.tail_multiple(torch.device("cpu")) == 1
     assert [tail_rows(n, 4096) for n in (1, 469, 512, 513, 3397, 3585, 4096)] == [512, 512, 512, 1024, 3584, 4096, 4096]
     assert tail_rows(9, 12) == 12  # never past a whole chunk
+    assert [tail_rows(n, 4096, 1) for n in (1, 469, 4096)] == [1, 469, 4096]
 
 
 def test_a_shorter_last_chunk_is_padded_with_zero_rows(monkeypatch):
-    """The last chunk's rows are padded with zero rows and label 0 to the tail multiple, the
-    padding's outputs dropped: what the chunk function receives, and loss, gradient and
-    statistics equal to one unpadded chunk. (tests/test_loss_kernel.py runs block_loss with the
-    Triton kernel, whose chunks go through the same padding.)"""
+    """With a tail multiple (CUDA's padding, forced here on CPU), the last chunk's rows are
+    padded with zero rows and label 0, the padding's outputs dropped: what the chunk function
+    receives, and loss, gradient and statistics equal to one unpadded chunk. On CPU by default
+    nothing is padded. (The Triton kernel's chunks go through the same loop; tests/test_gpu.py
+    runs it on CUDA.)"""
     B = 4
     hidden, weight, labels, valid = _case(seed=31, N=40, B=B, H=16, V=300)  # 120 scored rows
     hidden, weight = hidden.float(), weight.float()
@@ -175,7 +177,10 @@ def test_a_shorter_last_chunk_is_padded_with_zero_rows(monkeypatch):
         return real(h, w, labels_C, need_grad)
 
     monkeypatch.setattr(loss, "hard_chunk_loss", spied)
-    monkeypatch.setattr(loss, "TAIL_ROW_MULTIPLE", 16)
+    block_loss(hidden, weight, labels, valid, B, gamma=7.0, chunk_rows=48)
+    assert [r[0] for r in seen] == [48, 48, 24]  # CPU: the tail as it is
+    seen.clear()
+    monkeypatch.setattr(loss, "tail_multiple", lambda device: 16)
     outs = []
     for chunk in (48, 120):  # 48 + 48 + 24 rows (the last padded to 32), then one chunk of 120
         h = hidden.clone().requires_grad_(True)
