@@ -149,7 +149,7 @@ every step. On one H200 (torch 2.11, CUDA 13) the cuBLAS product of some of thos
 input gradient of one of 3,397) held the host for 52-61 ms, until the GPU had run out of queued
 work, in 4 of 20 steps of the smollm2 bench, the same steps in each of seven runs. Padded, a
 tail has one of chunk_rows / 512 shapes (8 for chunks of 4,096 rows), for at most 511 rows of
-extra lm_head work. On CPU nothing stalls and the padding would only add work: none there."""
+extra lm_head work. On CPU, with no launch queue to run dry, padding would only add work: none there."""
 
 
 def tail_multiple(device: torch.device) -> int:
