@@ -340,7 +340,7 @@ def test_sync_sites_count_synchronising_warnings_by_call_site():
     assert "2.0 per step" in lines[1] and lines[2].strip().startswith("1.5")
 
 
-def test_host_lead_probes_every_stage_layer_and_the_loss_then_restores_the_run(tmp_path):
+def test_host_lead_probes_every_stage_layer_and_the_loss_then_restores_the_run(tmp_path, monkeypatch):
     """scripts/host_lead.py on the tiny workload (CPU, where every lead is 0): a row per stage
     mark, per drafter layer's forward and backward and the loss's ends, a line per probed step;
     afterwards the run's layers, the stage timer and the step's loss are the originals again."""
@@ -361,11 +361,8 @@ def test_host_lead_probes_every_stage_layer_and_the_loss_then_restores_the_run(t
         built.append(real_build(*args, **kwargs))
         return built[-1]
 
-    bench.build_run = build
-    try:
-        lines = host_lead.main(["--workload", "tiny", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "r.txt")])
-    finally:
-        bench.build_run = real_build
+    monkeypatch.setattr(bench, "build_run", build)
+    lines = host_lead.main(["--workload", "tiny", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "r.txt")])
     names = [line.split()[0] for line in lines[2:lines.index(next(x for x in lines if x.startswith("per step")))]]
     layers = built[0][0].step.drafter.layers
     expected = ["stage:data", "stage:target", "stage:pack", "stage:mask", "stage:drafter_forward"] \
