@@ -333,6 +333,14 @@ def host_summary(prof, steps: int, device_events: int, top: int = 30) -> list[st
 # --------------------------------------------------------------------------- the run
 
 
+def warmup_count(workload: Workload, run, warmup: int | None = None) -> int:
+    """The untimed steps before a one-process bench's timed ones: `warmup` when given, else
+    the workload's count, else one epoch of the run's batch plan (every batch shape compiled)."""
+    if warmup is not None:
+        return warmup
+    return workload.warmup if workload.warmup is not None else run.plan.num_batches
+
+
 def warm_up_steps(run, counter, step, num_warmup: int, log) -> None:
     """Run `num_warmup` untimed steps (compilation, allocator), then clear what the timed steps
     measure: stage timers, metric sums, the work count and the peak-memory mark."""
@@ -425,7 +433,7 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     log(f"bench {workload}: built in {time.perf_counter() - started:.1f} s on {device}")
     if not drafter_only:
         warm_up(run)
-    num_warmup = warmup if warmup is not None else (wl.warmup if wl.warmup is not None else run.plan.num_batches)
+    num_warmup = warmup_count(wl, run, warmup)
     num_steps = steps or wl.steps
     warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup,
                   lambda text: log(f"bench {workload}: {text}"))

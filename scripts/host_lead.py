@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     workload = bench.WORKLOADS[args.workload]
     counter = bench.WorkCounter(run.step.drafter)
     warm_up(run)
-    num_warmup = args.warmup if args.warmup is not None else (
-        workload.warmup if workload.warmup is not None else run.plan.num_batches)
+    num_warmup = bench.warmup_count(workload, run, args.warmup)
     with Probes(run) as probes:
         bench.warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup, print)
         probes.on = True
