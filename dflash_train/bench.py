@@ -206,16 +206,23 @@ def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float])
     return busy
 
 
-def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
+def profile_steps(run, counter, steps: int, summary_path: Path | None, first_step: int | None = None) -> float:
     """Share of wall time the GPU runs no kernel and no copy over `steps` steps (from the first
     launch of the window to the end of its last kernel), measured with torch.profiler; with
-    `summary_path`, also writes the kernels ranked by total device time there."""
+    `summary_path`, also writes the kernels ranked by total device time there.
+
+    `first_step`: the window replays the steps from this one on (`run.steps_done` is rewound to
+    it): the bench passes its first timed step, so the profiled steps train on the timed steps'
+    batches (every micro-batch is a pure function of its global index: the same shapes, lengths
+    and anchors; only the weights have moved on)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from dflash_train.train import take_step
 
     device = run.dist.device
+    if first_step is not None:
+        run.steps_done = first_step
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("bench_window"):
@@ -237,8 +244,8 @@ def profile_steps(run, counter, steps: int, summary_path: Path | None) -> float:
             entry[1] += 1
         ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
         device_total = sum(v[0] for v in totals.values()) or 1.0
-        # The window's own work: its batches are not the timed steps' (the stream goes on), and
-        # attention's share of a step follows the squared lengths of its samples.
+        # The window's own work: the first timed steps' batches when replayed, else those after
+        # them; attention's share of a step follows the squared lengths of its samples.
         work = counter.count(run.cfg.objective.num_anchors, 0)  # host syncs: after the window
         lines = [f"{steps} profiled steps, window {(span[1] - span[0]) / 1e3:.1f} ms, device busy "
                  f"{busy / 1e3:.1f} ms ({busy / (span[1] - span[0]):.1%}); their work: {work.samples} samples, "
@@ -409,10 +416,11 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
 
 
 def run_bench(workload: str, steps: int | None = None, warmup: int | None = None,
-              overrides: list[str] | None = None, drafter_only: bool = False, profile: int = 10,
+              overrides: list[str] | None = None, drafter_only: bool = False, profile: int | None = None,
               profile_summary: Path | None = None, peak_tflops: float | None = None, log=print) -> dict:
-    """Build the workload's run, warm it up, time `steps` steps, profile `profile` more (CUDA);
-    returns the report (the JSON object)."""
+    """Build the workload's run, warm it up, time `steps` steps, then profile `profile` steps
+    (CUDA; default: as many as were timed) that replay the timed steps' batches from the first
+    on; returns the report (the JSON object)."""
     if workload not in WORKLOADS:
         raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
     for name, value in (("--steps", steps), ("--warmup", warmup), ("--profile-steps", profile)):
@@ -438,6 +446,7 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup,
                   lambda text: log(f"bench {workload}: {text}"))
     graphs_before = _compiled_graphs()
+    first_timed = run.steps_done
     results = []
     started = time.perf_counter()
     for _ in range(num_steps):
@@ -454,9 +463,10 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
     counter.handle.remove()
 
     idle = None
-    if device.type == "cuda" and profile > 0:
+    num_profile = num_steps if profile is None else profile
+    if device.type == "cuda" and num_profile > 0:
         counter = WorkCounter(run.step.drafter)
-        idle = profile_steps(run, counter, profile, profile_summary)
+        idle = profile_steps(run, counter, num_profile, profile_summary, first_step=first_timed)
         counter.handle.remove()
 
     d = run.step.drafter
@@ -568,6 +578,7 @@ def _drafter_side(run, config, num_warmup: int, num_steps: int, say) -> dict:
     warm_up_steps(run, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
     recv_wait = receiver.wait_s if receiver is not None else 0.0
     graphs_before = _compiled_graphs()
+    first_timed = run.steps_done
     results = []
     started = time.perf_counter()
     for _ in range(num_steps):

@@ -269,8 +269,9 @@ def add_bench_command(commands) -> None:
     b.add_argument("--output", default=None, metavar="FILE", help="also write the JSON object here")
     b.add_argument("--drafter-only", action="store_true",
                    help="skip the target forward (random features): the drafter step alone")
-    b.add_argument("--profile-steps", type=int, default=10, metavar="N",
-                   help="steps run under torch.profiler after timing for the GPU idle share (CUDA; 0: none)")
+    b.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                   help="steps run under torch.profiler after timing, for the GPU idle share, replaying the "
+                   "timed steps' batches from the first (CUDA; default: as many as were timed; 0: none)")
     b.add_argument("--profile", action="store_true",
                    help="also write the kernels ranked by device time to bench-WORKLOAD-kernels.txt next to --output "
                    "(decode: 10 regeneration steps at the largest --rows)")

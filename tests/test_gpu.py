@@ -329,8 +329,8 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
     from dflash_train import bench
 
     summary = tmp_path / "kernels.txt"
-    for drafter_only in (False, True):
-        report = bench.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=2,
+    for drafter_only, profile in ((False, None), (True, 2)):
+        report = bench.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=profile,
                                  profile_summary=summary, peak_tflops=100.0, log=lambda *a: None)
         # A hidden-64 model is all launch overhead: the GPU must be seen idle most of the time
         # (annotation ranges spanning the gaps once made this read ~0).
@@ -338,11 +338,16 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
         assert report["mfu"] > 0 and report["samples_per_s"] > 0
         assert sum(report["stage_share"].values()) == pytest.approx(1.0, abs=1e-6)
         assert (report["flops_per_sample"]["target_forward"] == 0) == drafter_only
-    text = summary.read_text()
+        text = summary.read_text()
+        # The window's own work heads the summary. By default it replays every timed step's
+        # batch: the same samples and context tokens as the timed steps.
+        work = re.search(r"their work: (\d+) samples, (\d+) context tokens, (\d+) block rows", text.splitlines()[0])
+        assert work and all(int(g) > 0 for g in work.groups()), text.splitlines()[0]
+        if profile is None:
+            timed_tokens = report["target_tokens_per_s"] * report["step_s"] * report["steps"]
+            assert int(work.group(1)) == report["samples"]
+            assert int(work.group(2)) == round(timed_tokens)
     assert "kernel" in text and "bench_window" not in text
-    # The window's own work heads the summary (its batches are not the timed ones).
-    work = re.search(r"their work: (\d+) samples, (\d+) context tokens, (\d+) block rows", text.splitlines()[0])
-    assert work and all(int(g) > 0 for g in work.groups()), text.splitlines()[0]
     assert "host:" in text and "cudaLaunchKernel" in text  # the host's side: launches ranked by host time
     assert "host syncs:" in text and "step.py" not in text  # the skip decision stays on the device
 
