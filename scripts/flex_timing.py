@@ -13,7 +13,8 @@ lengths are multiples of 128, as the default row's are), `torch` (torch's own ch
 kernels; needs the flash-attn-4 package and its nvidia-cutlass-dsl libraries), `prescale`
 (`default` plus bwd_PRESCALE_QK). The row: documents of uniform random length in
 [--min-length, --max-length] packed until --tokens, the last half of each supervised, up to
---anchors anchors per document (`masks.sample_anchors`), blocks of --block-size; heads and head
+--anchors anchors per document (`masks.sample_anchors`), blocks of --block-size, each document
+started at a multiple of --align tokens when given (unsupervised gaps between them); heads and head
 dim SmolLM2-135M's by default (9 query heads, 3 key/value heads, 64). `--layout strided` hands
 the kernel [1, S, heads, dim] memory seen as [1, heads, S, dim], as the drafter's layers do.
 
@@ -32,6 +33,11 @@ from dflash_train.compilation import compile_flex_attention, flex_kernel_options
 
 
 def packed_row(args, device):
+    """The row's layout and its documents' lengths. With `args.align` (> 0) each document is
+    followed by an unsupervised gap up to the next multiple of it (a document of its own that no
+    block sees or is anchored in) and the row grows to a multiple of 128 tokens past --tokens as
+    needed: the same documents (their anchors drawn as before, per document), their starts on tile
+    boundaries."""
     g = torch.Generator().manual_seed(args.seed)
     lengths, total = [], 0
     while True:
@@ -40,12 +46,22 @@ def packed_row(args, device):
             break
         lengths.append(n)
         total += n
-    loss_mask = torch.zeros(args.tokens, dtype=torch.bool)
-    start = 0
+    docs, supervised = [], []
     for n in lengths:
-        loss_mask[start + n // 2: start + n] = True
+        docs.append(n)
+        supervised.append(True)
+        gap = (-n) % args.align if getattr(args, "align", 0) else 0
+        if gap:
+            docs.append(gap)
+            supervised.append(False)
+    tokens = max(args.tokens, -(-sum(docs) // 128) * 128)
+    loss_mask = torch.zeros(tokens, dtype=torch.bool)
+    start = 0
+    for n, sup in zip(docs, supervised):
+        if sup:
+            loss_mask[start + n // 2: start + n] = True
         start += n
-    doc_lengths = torch.tensor(lengths, device=device)
+    doc_lengths = torch.tensor(docs, device=device)
     loss_mask = loss_mask.to(device)
     anchors = masks.sample_anchors(loss_mask, doc_lengths, args.anchors,
                                    generator=torch.Generator(device=device).manual_seed(args.seed),
@@ -111,6 +127,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--align", type=int, default=0, metavar="N",
+                   help="start every document at a multiple of N tokens (unsupervised gaps between them)")
     p.add_argument("--tiles", action="store_true", help="count the BlockMask's tiles by kind and stop")
     args = p.parse_args()
     if args.tiles:
