@@ -127,7 +127,8 @@ class WorkCounter:
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.offsets: list[torch.Tensor] = []
-        # (real anchors, or the loss mask to count them from; doc_lengths; padded_tokens; rows)
+        # (real anchors, or the loss mask to count them from; doc_lengths; padded_tokens; rows;
+        # the row's placement of its documents, doc_align)
         self.shipments: list[tuple] = []
         self.bytes_sent = 0  # of the shipments watched, as they travel between ranks
         self.handle = drafter.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -142,7 +143,7 @@ class WorkCounter:
             self.bytes_sent += wire_bytes(s)
             if not s.failed:
                 real = s.anchor_count if s.anchor_count is not None else s.loss_mask_T.clone()
-                self.shipments.append((real, s.doc_lengths.clone(), s.padded_tokens, s.rows))
+                self.shipments.append((real, s.doc_lengths.clone(), s.padded_tokens, s.rows, s.doc_align))
             yield s
 
     def _hook(self, module, args, kwargs) -> None:
@@ -162,10 +163,10 @@ class WorkCounter:
         work = WorkCount(loss_rows=loss_rows)
         # (sample lengths, padded target tokens, rows, real anchors) of every micro-batch
         micro = []
-        for real, docs, padded, rows in self.shipments:  # host syncs: after timing
+        for real, docs, padded, rows, align in self.shipments:  # host syncs: after timing
             docs = docs.cpu()
             if isinstance(real, torch.Tensor):  # the loss mask of a shipment without its count
-                real = packed_anchor_count(real.cpu(), docs, num_anchors)
+                real = packed_anchor_count(real.cpu(), docs, num_anchors, align)
             micro.append((docs, padded, rows, real))
         assert len(self.offsets) == len(micro), "one drafter forward per micro-batch"
         pairs = []

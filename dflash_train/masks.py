@@ -32,32 +32,54 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
-def document_ids(doc_lengths: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
-    """Document index of every packed position: `repeat_interleave` of the lengths.
+# Where a packed row has room, produce.pack starts every document at a multiple of this: the
+# BlockMask's tile (`layout_block_mask`), so no key tile holds the end of one document and the
+# start of the next. On SmolLM2's shape it took flex attention's forward + backward from 4.39 to
+# 3.91 ms per call on one H200 (docs/PERFORMANCE.md).
+DOC_ALIGN = 128
 
-    Positions past sum(doc_lengths) (padding up to a bucketed `total_len`) get the id
+
+def document_starts(doc_lengths: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """Packed start offset of each document, and one extra entry: the end of the last.
+
+    `align` is the row's placement (produce.pack's, carried as Shipment.doc_align): 1, the
+    documents back to back; A > 1, each document starts at a multiple of A, and the positions
+    between a document's end and the next one's start are an unsupervised gap counted with the
+    document before it (no anchor, no visible key, no loss there)."""
+    doc_lengths = doc_lengths.to(torch.long)
+    strides = doc_lengths if align <= 1 else (doc_lengths + (align - 1)) // align * align
+    starts = torch.cat([doc_lengths.new_zeros(1), torch.cumsum(strides, 0)])
+    if align > 1 and doc_lengths.numel():
+        starts[-1] = starts[-2] + doc_lengths[-1]  # the last document's end, no gap after it
+    return starts
+
+
+def document_ids(doc_lengths: torch.Tensor, total_len: int | None = None, align: int = 1) -> torch.Tensor:
+    """Document index of every packed position (`align`: the row's placement, see
+    `document_starts`; a gap belongs to the document before it).
+
+    Positions past the last document's end (padding up to a bucketed `total_len`) get the id
     `len(doc_lengths)`, a document of their own that no anchor belongs to. With `total_len`
-    the ids are a `searchsorted` of the positions in the documents' ends (zero-length documents
-    hold no position, as with `repeat_interleave`): no host sync, since the output size is known
-    on the host. Documents holding more than `total_len` tokens raise a ValueError only when
+    the ids are a `searchsorted` of the positions in the documents' starts (zero-length
+    documents hold no position, as with `repeat_interleave`): no host sync, since the output
+    size is known on the host. Documents reaching past `total_len` raise a ValueError only when
     `doc_lengths` is on the CPU; on another device that check (a host sync) is skipped and the
-    ids are those of the first `total_len` positions.
+    ids are those of the first `total_len` positions. Without `total_len`: the documents back
+    to back, `repeat_interleave` of the lengths.
     """
     doc_lengths = doc_lengths.to(torch.long)
     num_docs = doc_lengths.numel()
     device = doc_lengths.device
     if total_len is None:
+        if align > 1:
+            raise ValueError("document_ids: an aligned placement needs total_len")
         return torch.repeat_interleave(torch.arange(num_docs, device=device, dtype=torch.long), doc_lengths)
-    ends = torch.cumsum(doc_lengths, 0)
-    if device.type == "cpu" and num_docs and int(ends[-1]) > total_len:
-        raise ValueError(f"documents hold {int(ends[-1])} tokens, more than total_len={total_len}")
-    return torch.searchsorted(ends, torch.arange(total_len, device=device, dtype=torch.long), right=True)
-
-
-def document_starts(doc_lengths: torch.Tensor) -> torch.Tensor:
-    """Packed start offset of each document (and one extra entry: the end of the last)."""
-    doc_lengths = doc_lengths.to(torch.long)
-    return torch.cat([doc_lengths.new_zeros(1), torch.cumsum(doc_lengths, 0)])
+    starts = document_starts(doc_lengths, align)
+    if device.type == "cpu" and num_docs and int(starts[-1]) > total_len:
+        raise ValueError(f"documents reach position {int(starts[-1])}, past total_len={total_len}")
+    positions = torch.arange(total_len, device=device, dtype=torch.long)
+    ids = torch.searchsorted(starts[1:-1], positions, right=True)
+    return torch.where(positions >= starts[-1], num_docs, ids)
 
 
 NOISE_STREAM, ANCHOR_STREAM = 0, 1  # independent random streams of one micro-batch
@@ -85,22 +107,23 @@ def anchor_candidates(sup_T: torch.Tensor, doc_T: torch.Tensor) -> torch.Tensor:
     return valid_T
 
 
-def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int) -> int:
-    """The number of real anchors `sample_anchors` draws for a packed row (documents back to
-    back, then padding, which holds none): the sum over documents of min(num_anchors, the
-    document's `anchor_candidates`). Host-side (CPU tensors)."""
+def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, num_anchors: int,
+                        align: int = 1) -> int:
+    """The number of real anchors `sample_anchors` draws for a packed row (its documents placed
+    by `align`, see `document_starts`, then padding, which holds none): the sum over documents
+    of min(num_anchors, the document's `anchor_candidates`). Host-side (CPU tensors)."""
     doc_lengths = doc_lengths.to(torch.long)
     num_docs = doc_lengths.numel()
-    doc_T = document_ids(doc_lengths, loss_mask_T.numel())
+    doc_T = document_ids(doc_lengths, loss_mask_T.numel(), align)
     valid_T = anchor_candidates(loss_mask_T, doc_T)
     per_doc = torch.bincount(doc_T[valid_T], minlength=num_docs + 1)[:num_docs]
     return int(per_doc.clamp(max=num_anchors).sum())
 
 
 def anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
-    """`packed_anchor_count` of the packed row made from a padded batch (its rows laid end to
-    end as produce.pack lays them, one document per row: row r holds lengths_b[r] tokens, its
-    mask loss_mask_bL[r, :lengths_b[r]]). Host-side, on the batch's CPU tensors, so that the
+    """`packed_anchor_count` of the packed row made from a padded batch (one document per row:
+    row r holds lengths_b[r] tokens, its mask loss_mask_bL[r, :lengths_b[r]]), counted with the
+    rows end to end: a document's candidates do not depend on where produce.pack places it. Host-side, on the batch's CPU tensors, so that the
     drafter step knows its anchor count without a host sync (`sample_anchors(count=...)`)."""
     lengths_b = lengths_b.to(torch.long)
     L = loss_mask_bL.shape[1]
@@ -117,6 +140,7 @@ def sample_anchors(
     buckets_per_doubling: int = 0,
     return_count: bool = False,
     count: int | None = None,
+    align: int = 1,
 ):
     """Sample up to `num_anchors` anchors per document, uniformly without replacement, among
     the document's `anchor_candidates` (supervised positions whose next position is supervised
@@ -134,13 +158,14 @@ def sample_anchors(
     `count`: the number of real anchors, known on the host (`anchor_count` of the batch the
     row was packed from). With it nothing waits for the device (`nonzero_static` to the padded
     size); without it the count is read off the device (a host sync). Same anchors either way.
+    `align`: the row's placement of its documents (`document_starts`).
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     device = loss_mask_T.device
     T = loss_mask_T.numel()
     doc_lengths = doc_lengths.to(device)
-    doc_T = document_ids(doc_lengths, T)
+    doc_T = document_ids(doc_lengths, T, align)
     valid_T = anchor_candidates(loss_mask_T, doc_T)
     # Random key in [0, 1) per valid position, 2 for invalid ones; sorting by doc + key/4
     # groups documents in order and shuffles each document's valid positions first.
@@ -148,8 +173,9 @@ def sample_anchors(
     key_T = torch.where(valid_T, key_T, torch.full_like(key_T, 2.0))
     order_T = torch.argsort(doc_T.to(torch.float64) + key_T / 4.0)
     # starts[d] for d in 0..D (D: the padding past the last document), every id doc_T holds;
-    # the documents are contiguous, so these are the starts of bincount(doc_T), with no sync.
-    starts = document_starts(doc_lengths)
+    # each document's positions (its gap included) are contiguous, so these are the starts of
+    # bincount(doc_T), with no sync.
+    starts = document_starts(doc_lengths, align)
     rank_T = torch.arange(T, device=device) - starts[doc_T[order_T]]
     chosen_T = torch.zeros_like(valid_T)
     chosen_T[order_T] = valid_T[order_T] & (rank_T < num_anchors)
@@ -264,15 +290,18 @@ def build_layout(
     loss_mask_T: torch.Tensor,
     doc_lengths: torch.Tensor,
     block_size: int,
+    align: int = 1,
 ) -> BlockLayout:
     """Lay out one block per anchor. Block positions past the anchor's document end are cut:
-    they stay in the block (as mask tokens) but carry no loss."""
+    they stay in the block (as mask tokens) but carry no loss. `align`: the row's placement of
+    its documents (`document_starts`)."""
     device = anchors_N.device
     T = loss_mask_T.numel()
     doc_lengths = doc_lengths.to(device=device, dtype=torch.long)
-    doc_T = document_ids(doc_lengths, T)
-    # starts[d] for d in 0..D, where d = D is the padding past the last document; ends alike.
-    starts = document_starts(doc_lengths)
+    doc_T = document_ids(doc_lengths, T, align)
+    # starts[d] for d in 0..D, where d = D is the padding past the last document; ends alike
+    # (a document's end is the next one's start: its gap, unsupervised, carries no loss).
+    starts = document_starts(doc_lengths, align)
     ends = torch.cat([starts[1:], starts.new_full((1,), T)])
     pad_N = anchors_N < 0
     a_N = anchors_N.clamp(min=0)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.masks import NOISE_STREAM, anchor_count, step_generator
+from dflash_train.masks import DOC_ALIGN, NOISE_STREAM, anchor_count, document_starts, step_generator
 
 
 def add_feature_noise(
@@ -89,6 +89,9 @@ class Shipment:
     # known on the host so that the drafter step needs no host sync; None: unknown, it is
     # counted on the device.
     anchor_count: int | None = None
+    # The documents' placement in the row (masks.document_starts): 1, back to back; A, each at a
+    # multiple of A (produce.place_documents).
+    doc_align: int = 1
 
     @classmethod
     def failure(cls, index: int, batch) -> "Shipment":
@@ -99,6 +102,20 @@ def batch_stats(batch) -> dict:
     """The statistics of a target batch that travel with its shipment (host integers)."""
     return dict(padded_tokens=batch.input_ids.numel(), rows=batch.batch_size, epoch=batch.epoch,
                 sum_seq_len=int(batch.lengths.sum()), max_seq_len=batch.max_seq_len)
+
+
+def place_documents(lengths: list[int], pad_to: int) -> tuple[int, list[int]]:
+    """Where `pack` lays a batch's rows: (align, the start of each). Each row starts at a
+    multiple of masks.DOC_ALIGN when all of them then fit in `pad_to` tokens (the unsupervised
+    gaps between them belong to no block's context: the mask rule sees documents, not the gaps;
+    flex attention then meets no tile that straddles two documents' starts), else back to back
+    (align 1). A rule of the lengths and `pad_to` alone, so every rank that packs a batch places
+    it alike. Host-side."""
+    doc_lengths = torch.tensor(lengths, dtype=torch.long)
+    starts = document_starts(doc_lengths, DOC_ALIGN)
+    if lengths and int(starts[-1]) <= pad_to:
+        return DOC_ALIGN, starts[:-1].tolist()
+    return 1, document_starts(doc_lengths)[:-1].tolist()
 
 
 def pack_index(lengths: list[int], padded_len: int) -> torch.Tensor:
@@ -125,11 +142,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to: int,
          noise: FeatureNoise | None, input_ids_bL: torch.Tensor | None = None) -> Shipment:
-    """Drop the padding of `batch` (global micro-batch `index`), lay its rows end to end in
-    one packed row padded with zeros to `pad_to` tokens (at least the real count; the producer
-    passes the token budget, so every packed row has one shape), and add `noise` to the
-    features. `features_bLF` may be a list of per-tap [b, L, H] tensors (split fc layers): each
-    is packed alone and no noise is added (`context_features` adds it on the drafter side).
+    """Drop the padding of `batch` (global micro-batch `index`), lay its rows in one packed row
+    padded with zeros to `pad_to` tokens (at least the real count; the producer passes the token
+    budget, so every packed row has one shape), each row at a multiple of masks.DOC_ALIGN where
+    they fit, else end to end (`place_documents`; the shipment's `doc_align` says which), and
+    add `noise` to the features. `features_bLF` may be a list of per-tap [b, L, H] tensors
+    (split fc layers): each is packed alone and no noise is added (`context_features` adds it
+    on the drafter side).
     `head_out` is what the target returned past its taps (target.Target.capture): None (the
     labels are the data), its greedy tokens [b, L] (the labels), or its final hidden state
     [b, L, H] (distillation: shipped as `target_hidden_TH`, the labels stay the data).
@@ -143,37 +162,41 @@ def pack(batch, index: int, features_bLF, head_out: torch.Tensor | None, pad_to:
     flat = to_device(pack_index(lengths, L), device)
     T = flat.numel()
     T_pad = max(T, pad_to)
+    align, starts = place_documents(lengths, T_pad)
+    # Where each real token goes: [T] packed positions, in the order of `flat`.
+    place = to_device(torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]), device)
+
+    def packed(values_X: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """`fill` ([T_pad, ...], zeros) with the real tokens' rows of `values_X` ([b * L, ...])."""
+        return fill.index_copy_(0, place, values_X.index_select(0, flat))
+
     packed_parts = []
     for part in parts:
         F = part.shape[-1]
-        feats = torch.zeros(T_pad, F, dtype=part.dtype, device=device)
-        feats[:T] = part.reshape(b * L, F).index_select(0, flat)
-        packed_parts.append(feats)
+        packed_parts.append(packed(part.reshape(b * L, F), torch.zeros(T_pad, F, dtype=part.dtype, device=device)))
     feats = packed_parts if split or noise is None else noise(packed_parts[0], index)
     if input_ids_bL is None:
         input_ids_bL = to_device(batch.input_ids, device)
-    ids = torch.zeros(T_pad, dtype=torch.long, device=device)
-    ids[:T] = input_ids_bL.reshape(-1).index_select(0, flat)
-    mask = torch.zeros(T_pad, dtype=torch.bool, device=device)
-    mask[:T] = to_device(batch.loss_mask, device).reshape(-1).to(torch.bool).index_select(0, flat)
+    ids = packed(input_ids_bL.reshape(-1), torch.zeros(T_pad, dtype=torch.long, device=device))
+    mask = packed(to_device(batch.loss_mask, device).reshape(-1).to(torch.bool),
+                  torch.zeros(T_pad, dtype=torch.bool, device=device))
     greedy_bL = head_out if head_out is not None and not head_out.is_floating_point() else None
     if greedy_bL is None:
         labels = ids
     else:
         # The target's prediction for position p is its argmax at p - 1 (same row).
         shifted = torch.cat([input_ids_bL[:, :1], greedy_bL[:, :-1]], dim=1)
-        labels = torch.zeros_like(ids)
-        labels[:T] = shifted.reshape(-1).index_select(0, flat)
+        labels = packed(shifted.reshape(-1), torch.zeros_like(ids))
     target_hidden = None
     if head_out is not None and head_out.is_floating_point():
         # Position p gets the state at p - 1 (same row), which predicts token p; a document's
         # first position is never a block target and gets its own state.
         previous = to_device(previous_index(lengths, L), device)
         target_hidden = torch.zeros(T_pad, head_out.shape[-1], dtype=head_out.dtype, device=device)
-        target_hidden[:T] = head_out.reshape(b * L, -1).index_select(0, previous)
+        target_hidden.index_copy_(0, place, head_out.reshape(b * L, -1).index_select(0, previous))
     doc_lengths = to_device(torch.tensor(lengths, dtype=torch.long), device)
-    return Shipment(index, False, feats, ids, mask, labels, doc_lengths, target_hidden, num_tokens=T,
-                    **batch_stats(batch))
+    return Shipment(index, False, feats, ids, mask, labels, doc_lengths, target_hidden, doc_align=align,
+                    num_tokens=T, **batch_stats(batch))
 
 
 def context_features(shipment: Shipment, noise: FeatureNoise) -> torch.Tensor:

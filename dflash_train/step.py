@@ -146,9 +146,9 @@ class DrafterStep:
             s.loss_mask_T, s.doc_lengths, c.objective.num_anchors,
             step_generator(c.train.seed, s.index, ANCHOR_STREAM, device=self.device),
             pad_to_multiple=c.train.anchor_multiple, buckets_per_doubling=c.train.anchor_buckets_per_doubling,
-            return_count=True, count=s.anchor_count)
+            return_count=True, count=s.anchor_count, align=s.doc_align)
         d = self.drafter
-        layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, d.block_size)
+        layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, d.block_size, s.doc_align)
         masks = build_attention_masks(layout, d.layer_types, d.config.sliding_window, self.attention)
         self.timer.mark("drafter_forward")
         block_emb = self.heads.embed(layout.block_input_ids(s.input_ids_T, d.mask_token_id))

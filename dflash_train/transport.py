@@ -30,7 +30,7 @@ import torch
 from dflash_train.dist import Dist
 from dflash_train.produce import Shipment
 
-HEADER_LEN = 17
+HEADER_LEN = 18
 FAILED, SPLIT, HIDDEN = 1, 2, 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -49,6 +49,7 @@ def _header(s: Shipment, device) -> torch.Tensor:
             h[14], h[15] = hidden.shape[1], DTYPES.index(hidden.dtype)
     h[7:14] = [s.num_tokens, s.padded_tokens, s.rows, s.sum_seq_len, s.max_seq_len, s.epoch, s.sender_wait_us]
     h[16] = -1 if s.anchor_count is None else s.anchor_count
+    h[17] = s.doc_align
     return torch.tensor(h, dtype=torch.int64, device=device)
 
 
@@ -134,4 +135,5 @@ class Receiver:
         self.wait_s += time.perf_counter() - started
         features = parts if h[1] & SPLIT else parts[0]
         return Shipment(index, False, features, ints[0], ints[1].to(torch.bool), ints[2], docs,
-                        hidden[0] if hidden else None, **stats, anchor_count=None if h[16] < 0 else h[16])
+                        hidden[0] if hidden else None, **stats, anchor_count=None if h[16] < 0 else h[16],
+                        doc_align=h[17])

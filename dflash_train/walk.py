@@ -49,8 +49,8 @@ from dflash_train.config import DEFAULT_GAMMA, DataSection, ObjectiveSection
 from dflash_train.data import response_spans
 from dflash_train.errors import InputError
 from dflash_train.loss import accepted_run_length, hard_chunk_loss, position_weights
-from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, padded_anchor_count, sample_anchors,
-                                step_generator)
+from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, document_starts, padded_anchor_count,
+                                sample_anchors, step_generator)
 from dflash_train.produce import FeatureNoise, pack
 
 # Block rows of one drafter forward. Flex attention visits only the visible tiles, so the bound
@@ -134,7 +134,7 @@ def anchor_runs(drafter, heads, shipment, *, attention: str, autocast=None, gamm
     # No cap on anchors per document: every position the training rule allows is chosen, so
     # the generator's draw decides nothing (it only has to be one that touches no global state).
     anchors_N = sample_anchors(s.loss_mask_T, s.doc_lengths, max(1, T),
-                               step_generator(0, 0, ANCHOR_STREAM, device=device))
+                               step_generator(0, 0, ANCHOR_STREAM, device=device), align=s.doc_align)
     anchors_N = anchors_N[anchors_N >= 0]
     G = blocks_per_forward(T, B, attention, anchor_multiple)
     known = gamma is not None or B in DEFAULT_GAMMA
@@ -145,7 +145,7 @@ def anchor_runs(drafter, heads, shipment, *, attention: str, autocast=None, gamm
     counts = torch.zeros(2, B - 1, dtype=torch.float64, device=device)
     for start in range(0, anchors_N.numel(), G):
         group = _padded(anchors_N[start : start + G], G, max(1, anchor_multiple))
-        layout = build_layout(group, s.loss_mask_T, s.doc_lengths, B)
+        layout = build_layout(group, s.loss_mask_T, s.doc_lengths, B, s.doc_align)
         masks = build_attention_masks(layout, d.layer_types, d.config.sliding_window, attention)
         block_emb = heads.embed(layout.block_input_ids(s.input_ids_T, d.mask_token_id))
         with autocast or contextlib.nullcontext():
@@ -181,15 +181,16 @@ class WalkResult:
     seconds: float = 0.0
 
     def add(self, indices: list[int], shipment, runs: AnchorRuns) -> None:
-        """The samples of one packed row (documents in batch order, `indices` their rows)."""
-        mask_T = shipment.loss_mask_T[: shipment.num_tokens].cpu().numpy()
-        ids_T = shipment.input_ids_T[: shipment.num_tokens].cpu().tolist()
-        start = 0
-        for index, length in zip(indices, shipment.doc_lengths.tolist()):
+        """The samples of one packed row (documents in batch order, `indices` their rows, placed
+        as `masks.document_starts` says)."""
+        mask_T = shipment.loss_mask_T.cpu().numpy()
+        ids_T = shipment.input_ids_T.cpu().tolist()
+        doc_lengths = shipment.doc_lengths.cpu()
+        starts = document_starts(doc_lengths, shipment.doc_align).tolist()
+        for index, start, length in zip(indices, starts, doc_lengths.tolist()):
             spans = response_spans(mask_T[start : start + length])
             self.turns[index] = [walk_turn(runs.run_T, start + a, start + b) for a, b in spans]
             self.replies[index] = [ids_T[start + a : start + b + 1] for a, b in spans]
-            start += length
         self.loss_sum += runs.loss_sum
         self.weight_sum += runs.weight_sum
         self.correct_K = runs.correct_K if self.correct_K is None else self.correct_K + runs.correct_K

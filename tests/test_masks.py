@@ -12,6 +12,7 @@ from dflash_train.masks import (
     build_layout,
     dense_mask,
     document_ids,
+    document_starts,
     flex_block_mask,
     layout_block_mask,
     padded_anchor_count,
@@ -315,6 +316,34 @@ def test_document_ids_with_total_len_equal_repeat_interleave():
         assert torch.equal(document_ids(lengths), ids)
     with pytest.raises(ValueError, match="total_len"):
         document_ids(torch.tensor([3, 4]), 6)
+
+
+def test_aligned_documents_start_at_multiples_with_their_gaps_counted_before():
+    """align > 1 (produce.pack's placement where the row has room): each document starts at a
+    multiple of it, the gap after a document has its id, positions past the last document's
+    end the padding id; zero-length documents hold no position. Against a naive loop."""
+    gen = torch.Generator().manual_seed(12)
+    for case in range(40):
+        align = (2, 4, 8, 128)[case % 4]
+        lengths = torch.randint(0, 20, (1 + case % 6,), generator=gen)
+        lengths[torch.rand(lengths.shape, generator=gen) < 0.2] = 0
+        starts, ids, pos = [], [], 0
+        for r, n in enumerate(lengths.tolist()):
+            starts.append(pos)
+            stride = -(-n // align) * align
+            ids += [r] * (stride if r < len(lengths) - 1 else n)
+            pos += stride
+        end = starts[-1] + int(lengths[-1])
+        total = end + case % 5
+        assert document_starts(lengths, align).tolist() == starts + [end]
+        want = torch.tensor(ids + [len(lengths)] * (total - end))
+        assert torch.equal(document_ids(lengths, total, align), want), (lengths.tolist(), align)
+        assert document_starts(lengths, 1).tolist() == [0] + torch.cumsum(lengths, 0).tolist()
+    assert document_ids(torch.tensor([3, 4]), 12, align=8).tolist() == [0] * 8 + [1] * 4  # ends at 12: fits
+    with pytest.raises(ValueError, match="total_len"):
+        document_ids(torch.tensor([3, 5]), 12, align=8)
+    with pytest.raises(ValueError, match="needs total_len"):
+        document_ids(torch.tensor([3, 4]), align=8)
 
 
 def _padded_batch(lengths, loss_mask_T):

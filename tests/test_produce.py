@@ -8,7 +8,7 @@ import torch
 
 from conftest import SimulatedGraphs
 from dflash_train.batching import Batch
-from dflash_train.masks import sample_anchors, step_generator
+from dflash_train.masks import DOC_ALIGN, sample_anchors, step_generator
 from dflash_train.produce import FeatureNoise, Producer, add_feature_noise, context_features, pack
 
 
@@ -60,7 +60,7 @@ def test_pack_against_a_naive_loop_and_split_fc_features():
     assert s.num_tokens == T and s.input_ids_T.shape == (pad_to,) and not s.failed and s.index == 11
     assert s.input_ids_T[:T].tolist() == ids and s.loss_mask_T[:T].tolist() == mask
     assert s.labels_T[:T].tolist() == labels and s.doc_lengths.tolist() == lengths
-    assert not s.loss_mask_T[T:].any() and not s.input_ids_T[T:].any()
+    assert not s.loss_mask_T[T:].any() and not s.input_ids_T[T:].any() and s.doc_align == 1
     clean = torch.zeros(pad_to, 12)
     clean[:T] = torch.stack(feats)
     assert torch.equal(s.features, noise(clean, 11)) and not torch.equal(s.features, clean)
@@ -71,6 +71,75 @@ def test_pack_against_a_naive_loop_and_split_fc_features():
     assert isinstance(split.features, list) and len(split.features) == 3
     assert torch.equal(context_features(split, noise), s.features)
     assert context_features(s, noise) is s.features
+
+
+def test_pack_starts_every_row_at_a_tile_where_they_all_fit():
+    """Where the packed row has room, row r starts at a multiple of masks.DOC_ALIGN (the gaps
+    zero, unsupervised); one token short of room, they go back to back. Against a naive loop,
+    labels and the target's final state included."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, L = [5, 12, 1, 9], 12
+    batch, taps, greedy = random_batch(gen, lengths, L, taps=2, H=4)
+    final_bLH = torch.randn(len(lengths), L, 6, generator=gen)
+    noise = FeatureNoise("none", 0.0, seed=7, device=torch.device("cpu"))
+    room = 3 * DOC_ALIGN + lengths[-1]  # the last row starts at 3 tiles and ends here
+    s = pack(batch, 4, torch.cat(taps, dim=-1), final_bLH, room, noise)
+    assert s.doc_align == DOC_ALIGN and s.num_tokens == sum(lengths) and s.doc_lengths.tolist() == lengths
+    ids, mask, feats, hidden = (torch.zeros(room, dtype=torch.long), torch.zeros(room, dtype=torch.bool),
+                                torch.zeros(room, 8), torch.zeros(room, 6))
+    labels = torch.zeros(room, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        for p in range(n):
+            q = r * DOC_ALIGN + p
+            ids[q], mask[q] = batch.input_ids[r, p], batch.loss_mask[r, p]
+            labels[q] = batch.input_ids[r, 0] if p == 0 else greedy[r, p - 1]
+            feats[q] = torch.cat([t[r, p] for t in taps])
+    greedy_labels = pack(batch, 4, torch.cat(taps, dim=-1), greedy, room, noise).labels_T
+    for r, n in enumerate(lengths):
+        for p in range(n):
+            hidden[r * DOC_ALIGN + p] = final_bLH[r, max(p - 1, 0)]
+    assert torch.equal(s.input_ids_T, ids) and torch.equal(s.loss_mask_T, mask)
+    assert torch.equal(s.features, feats) and torch.equal(s.target_hidden_TH, hidden)
+    assert torch.equal(greedy_labels, labels) and torch.equal(s.labels_T, ids)
+    tight = pack(batch, 4, torch.cat(taps, dim=-1), greedy, room - 1, noise)
+    assert tight.doc_align == 1 and torch.equal(tight.input_ids_T[:sum(lengths)], ids[ids != 0])
+
+
+def test_a_row_aligned_or_back_to_back_gives_the_drafter_the_same_blocks():
+    """The drafter trains on the same thing whichever way `pack` placed the documents: every
+    anchor, block label, loss position and rope position, and the drafter's output at every
+    block row (dense masks of the mask rule, every anchor the rule allows)."""
+    from conftest import tiny_drafter
+    from dflash_train.masks import build_attention_masks, build_layout
+
+    gen = torch.Generator().manual_seed(5)
+    lengths, L = [17, 9, 30, 4, 23], 30
+    d = tiny_drafter(num_layers=2, block_size=4)
+    F = d.fc.in_features
+    ids = torch.randint(1, 127, (len(lengths), L), generator=gen)
+    loss_mask = torch.rand(len(lengths), L, generator=gen) < 0.7
+    for r, n in enumerate(lengths):
+        ids[r, n:], loss_mask[r, n:] = 0, False
+    batch = Batch(ids, loss_mask, torch.tensor(lengths), list(range(len(lengths))), 0, 0)
+    features = torch.randn(len(lengths), L, F, generator=gen)
+    embed = torch.randn(128, d.config.hidden_size, generator=gen)
+    noise = FeatureNoise("none", 0.0, seed=0, device=torch.device("cpu"))
+    outputs = []
+    for pad_to in (sum(lengths), 5 * DOC_ALIGN):
+        s = pack(batch, 0, features, None, pad_to, noise)
+        assert s.doc_align == (1 if pad_to == sum(lengths) else DOC_ALIGN)
+        anchors = sample_anchors(s.loss_mask_T, s.doc_lengths, 10**6, step_generator(0, 0), align=s.doc_align)
+        layout = build_layout(anchors, s.loss_mask_T, s.doc_lengths, d.block_size, s.doc_align)
+        masks = build_attention_masks(layout, d.layer_types, d.config.sliding_window, "sdpa")
+        with torch.no_grad():
+            hidden = d(s.features[None], embed[layout.block_input_ids(s.input_ids_T, d.mask_token_id)][None],
+                       layout.position_ids(), attention_mask=masks)[0]
+        outputs.append((anchors.numel(), layout.labels(s.labels_T), layout.valid_NB, layout.rope_block_NB, hidden))
+    (n0, *rest0), (n1, *rest1) = outputs
+    assert n0 == n1 > 20
+    for a, b in zip(rest0[:-1], rest1[:-1]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(rest0[-1], rest1[-1], rtol=1e-5, atol=1e-5)
 
 
 def test_pack_ships_the_targets_final_state_shifted_to_the_token_it_predicts():
@@ -139,13 +208,13 @@ def test_transport_carries_the_targets_final_state(monkeypatch, split):
     final_bLH = torch.randn(len(lengths), L, 4, generator=gen).to(torch.bfloat16)
     noise = FeatureNoise("uniform", 0.05, seed=7, device=torch.device("cpu"))
     sender, receiver = Sender(_FakeDist(), queue_depth=2), Receiver(_FakeDist())
-    for index, final, count in ((5, final_bLH, 7), (6, None, None)):
-        sent = pack(batch, index, taps if split else torch.cat(taps, dim=-1), final, 32, None if split else noise)
+    for index, final, count, pad_to in ((5, final_bLH, 7, 32), (6, None, None, 2 * DOC_ALIGN + 9)):
+        sent = pack(batch, index, taps if split else torch.cat(taps, dim=-1), final, pad_to, None if split else noise)
         sent.anchor_count = count
         sender.send(1, sent)
         got = receiver.recv(0, index)
         assert not got.failed and got.index == index and got.num_tokens == sent.num_tokens
-        assert got.anchor_count == count
+        assert got.anchor_count == count and got.doc_align == sent.doc_align == (1 if pad_to == 32 else DOC_ALIGN)
         for name in ("input_ids_T", "loss_mask_T", "labels_T", "doc_lengths"):
             assert torch.equal(getattr(got, name), getattr(sent, name)), name
         assert torch.equal(context_features(got, noise), context_features(sent, noise))
@@ -181,9 +250,11 @@ def test_producer_ships_the_anchor_count_sample_anchors_draws():
     target = Target()
     kw = dict(device=torch.device("cpu"), noise=None, split_fc=False, pad_to=40, micro_per_step=1,
               faults=Faults(), timer=Timer(), log=lambda msg: None)
-    for k in (1, 2, 8):
-        s = Producer(target, None, num_anchors=k, **kw).produce(4, batch)
-        _, n = sample_anchors(s.loss_mask_T, s.doc_lengths, k, step_generator(0, 4), return_count=True)
+    for k, pad_to in ((1, 40), (2, 40), (8, 40), (2, 4 * DOC_ALIGN), (8, 4 * DOC_ALIGN)):
+        s = Producer(target, None, num_anchors=k, **{**kw, "pad_to": pad_to}).produce(4, batch)
+        assert s.doc_align == (1 if pad_to == 40 else DOC_ALIGN)
+        _, n = sample_anchors(s.loss_mask_T, s.doc_lengths, k, step_generator(0, 4), return_count=True,
+                              align=s.doc_align)
         assert s.anchor_count == n > 0
     assert Producer(target, None, **kw).produce(4, batch).anchor_count is None
     target.fail = True
