@@ -123,8 +123,9 @@ def packed_anchor_count(loss_mask_T: torch.Tensor, doc_lengths: torch.Tensor, nu
 def anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
     """`packed_anchor_count` of the packed row made from a padded batch (one document per row:
     row r holds lengths_b[r] tokens, its mask loss_mask_bL[r, :lengths_b[r]]), counted with the
-    rows end to end: a document's candidates do not depend on where produce.pack places it. Host-side, on the batch's CPU tensors, so that the
-    drafter step knows its anchor count without a host sync (`sample_anchors(count=...)`)."""
+    rows end to end: a document's candidates do not depend on where produce.pack places it.
+    Host-side, on the batch's CPU tensors, so that the drafter step knows its anchor count
+    without a host sync (`sample_anchors(count=...)`)."""
     lengths_b = lengths_b.to(torch.long)
     L = loss_mask_bL.shape[1]
     real_bL = torch.arange(L)[None, :] < lengths_b[:, None]

@@ -49,8 +49,8 @@ from dflash_train.config import DEFAULT_GAMMA, DataSection, ObjectiveSection
 from dflash_train.data import response_spans
 from dflash_train.errors import InputError
 from dflash_train.loss import accepted_run_length, hard_chunk_loss, position_weights
-from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, document_starts, padded_anchor_count,
-                                sample_anchors, step_generator)
+from dflash_train.masks import (ANCHOR_STREAM, build_attention_masks, build_layout, document_starts,
+                                padded_anchor_count, sample_anchors, step_generator)
 from dflash_train.produce import FeatureNoise, pack
 
 # Block rows of one drafter forward. Flex attention visits only the visible tiles, so the bound
