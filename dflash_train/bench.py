@@ -578,7 +578,6 @@ def _drafter_side(run, config, num_warmup: int, num_steps: int, say) -> dict:
     warm_up_steps(run, counter, step, num_warmup, lambda text: say(f"bench: {text}"))
     recv_wait = receiver.wait_s if receiver is not None else 0.0
     graphs_before = _compiled_graphs()
-    first_timed = run.steps_done
     results = []
     started = time.perf_counter()
     for _ in range(num_steps):

@@ -14,7 +14,8 @@ kernels; needs the flash-attn-4 package and its nvidia-cutlass-dsl libraries), `
 (`default` plus bwd_PRESCALE_QK). The row: documents of uniform random length in
 [--min-length, --max-length] packed until --tokens, the last half of each supervised, up to
 --anchors anchors per document (`masks.sample_anchors`), blocks of --block-size, each document
-started at a multiple of --align tokens when given (unsupervised gaps between them); heads and head
+started at a multiple of --align tokens when given (the trainer's placement,
+`masks.document_starts`); heads and head
 dim SmolLM2-135M's by default (9 query heads, 3 key/value heads, 64). `--layout strided` hands
 the kernel [1, S, heads, dim] memory seen as [1, heads, S, dim], as the drafter's layers do.
 
@@ -33,11 +34,11 @@ from dflash_train.compilation import compile_flex_attention, flex_kernel_options
 
 
 def packed_row(args, device):
-    """The row's layout and its documents' lengths. With `args.align` (> 0) each document is
-    followed by an unsupervised gap up to the next multiple of it (a document of its own that no
-    block sees or is anchored in) and the row grows to a multiple of 128 tokens past --tokens as
-    needed: the same documents (their anchors drawn as before, per document), their starts on tile
-    boundaries."""
+    """The row's layout and its documents' lengths. With `args.align` (> 0) the documents are
+    placed as the trainer places them where they fit (`masks.document_starts`), each at a
+    multiple of it with an unsupervised gap before the next, and the row grows to a multiple of
+    128 tokens past --tokens as needed: the same documents and, since anchors are drawn by keys
+    per position within each document, the same anchors, their starts on tile boundaries."""
     g = torch.Generator().manual_seed(args.seed)
     lengths, total = [], 0
     while True:
@@ -46,27 +47,18 @@ def packed_row(args, device):
             break
         lengths.append(n)
         total += n
-    docs, supervised = [], []
-    for n in lengths:
-        docs.append(n)
-        supervised.append(True)
-        gap = (-n) % args.align if getattr(args, "align", 0) else 0
-        if gap:
-            docs.append(gap)
-            supervised.append(False)
-    tokens = max(args.tokens, -(-sum(docs) // 128) * 128)
+    align = max(1, getattr(args, "align", 0))
+    doc_lengths = torch.tensor(lengths)
+    starts = masks.document_starts(doc_lengths, align).tolist()
+    tokens = max(args.tokens, -(-starts[-1] // 128) * 128)
     loss_mask = torch.zeros(tokens, dtype=torch.bool)
-    start = 0
-    for n, sup in zip(docs, supervised):
-        if sup:
-            loss_mask[start + n // 2: start + n] = True
-        start += n
-    doc_lengths = torch.tensor(docs, device=device)
-    loss_mask = loss_mask.to(device)
+    for start, n in zip(starts, lengths):
+        loss_mask[start + n // 2: start + n] = True
+    doc_lengths, loss_mask = doc_lengths.to(device), loss_mask.to(device)
     anchors = masks.sample_anchors(loss_mask, doc_lengths, args.anchors,
                                    generator=torch.Generator(device=device).manual_seed(args.seed),
-                                   pad_to_multiple=64)
-    return masks.build_layout(anchors, loss_mask, doc_lengths, args.block_size), lengths
+                                   pad_to_multiple=64, align=align)
+    return masks.build_layout(anchors, loss_mask, doc_lengths, args.block_size, align), lengths
 
 
 def tile_counts(block_mask, num_ctx: int) -> dict:

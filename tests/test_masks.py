@@ -392,10 +392,11 @@ def test_sample_anchors_with_a_host_count_equal_the_synced_ones(multiple, bucket
         assert got.dtype == want.dtype and torch.equal(got, want) and m == n == count, case
 
 
-def test_flex_timing_counts_the_block_masks_tiles_by_kind():
+@pytest.mark.parametrize("align", [0, 128])
+def test_flex_timing_counts_the_block_masks_tiles_by_kind(align):
     """scripts/flex_timing.py --tiles (the tile counts docs/PERFORMANCE.md quotes) against the
     dense rule read tile by tile: kept and full tiles, split into context keys and the blocks'
-    own keys."""
+    own keys; with the documents back to back and on tile boundaries (--align 128)."""
     import argparse
     import importlib.util
     from pathlib import Path
@@ -404,7 +405,8 @@ def test_flex_timing_counts_the_block_masks_tiles_by_kind():
     spec = importlib.util.spec_from_file_location("flex_timing", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    args = argparse.Namespace(tokens=1024, min_length=96, max_length=400, anchors=24, block_size=16, seed=1)
+    args = argparse.Namespace(tokens=1024, min_length=96, max_length=400, anchors=24, block_size=16, seed=1,
+                              align=align)
     layout, _ = script.packed_row(args, torch.device("cpu"))
     counts = script.tile_counts(layout_block_mask(layout), layout.num_ctx)
 
