@@ -27,8 +27,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 setup: $(BIN)/.installed
 
-# Two test processes (pytest-xdist): the tests run one thread each, so a 2-core machine runs two at once.
+# The layer contract first (pyproject.toml: lower layers never import higher ones), then two test
+# processes (pytest-xdist): the tests run one thread each, so a 2-core machine runs two at once.
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 train: setup

@@ -19,12 +19,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
-from dflash_train.evaluate import first_difference, load_prompts, prompt_ids
-from dflash_train.export import export_drafter
-from dflash_train.slots import SlotDecoder
-from dflash_train.specdec import Decoder, DFlashProposer, stop_token_ids
-from dflash_train.target import resolve_target_path
+from dflash_train.core.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.core.export import export_drafter
+from dflash_train.core.target import resolve_target_path
+from dflash_train.engine.decoder import Decoder
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.engine.sampling import stop_token_ids
+from dflash_train.engine.slots import SlotDecoder
+from dflash_train.eval.evaluate import first_difference
+from dflash_train.eval.prompts import load_prompts, prompt_ids
 
 SETS = ("mt-bench", "humaneval", "gsm8k")
 

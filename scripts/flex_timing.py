@@ -29,8 +29,8 @@ import json
 
 import torch
 
-from dflash_train import drafter, masks
-from dflash_train.compilation import compile_flex_attention, flex_kernel_options
+from dflash_train.core import drafter, masks
+from dflash_train.train.compilation import compile_flex_attention, flex_kernel_options
 
 
 def packed_row(args, device):

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train import bench
-from dflash_train import step as step_module
-from dflash_train.metrics import StageTimer
+from dflash_train.bench import flops, harness, workloads
+from dflash_train.train import step as step_module
+from dflash_train.train.metrics import StageTimer
 
 
 class _HostClock:
@@ -164,21 +164,21 @@ class Probes:
 
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", default="smollm2", choices=sorted(bench.WORKLOADS))
+    parser.add_argument("--workload", default="smollm2", choices=sorted(workloads.WORKLOADS))
     parser.add_argument("--steps", type=int, default=None, help="probed steps (default: the bench's timed count)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: the bench's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for the bench")
     args = parser.parse_args(argv)
-    from dflash_train.train import take_step, warm_up
+    from dflash_train.train.loop import take_step, warm_up
 
-    run, _ = bench.build_run(args.workload, args.overrides, False, print)
-    workload = bench.WORKLOADS[args.workload]
-    counter = bench.WorkCounter(run.step.drafter)
+    run, _ = harness.build_run(args.workload, args.overrides, False, print)
+    workload = workloads.WORKLOADS[args.workload]
+    counter = flops.WorkCounter(run.step.drafter)
     warm_up(run)
-    num_warmup = bench.warmup_count(workload, run, args.warmup)
+    num_warmup = harness.warmup_count(workload, run, args.warmup)
     with Probes(run) as probes:
-        bench.warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup, print)
+        harness.warm_up_steps(run, counter, lambda: take_step(run, counter.watch), num_warmup, print)
         probes.on = True
         for k in range(args.steps or workload.steps):
             probes.record(f"step {k + 1}")

@@ -15,8 +15,8 @@ import statistics
 
 import torch
 
-from dflash_train.compilation import loss_chunk
-from dflash_train.loss_kernel import triton_hard_chunk_loss
+from dflash_train.core.loss import compiled_chunk
+from dflash_train.core.loss_kernel import triton_hard_chunk_loss
 
 
 def timed(fn, repeats: int) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    compiled = loss_chunk(False)
+    compiled = compiled_chunk(False)
     for shape in args.shapes:
         H, V = (int(x) for x in shape.split("x"))
         h = torch.randn(args.rows, H, device="cuda", generator=g, dtype=torch.bfloat16)

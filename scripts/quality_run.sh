@@ -57,7 +57,7 @@
 #   EVAL_BATCH_SIZE [32]                     prompts decoded together by each evaluation worker
 #   WORKERS [4]                              evaluation processes (spread over the visible GPUs)
 #   DEVICE [auto]  OUT [runs/quality]  PYTHON [.venv/bin/python if present, else python3]
-# The package is run as `python -m dflash_train.cli` with this checkout on PYTHONPATH, so an
+# The package is run as `python -m dflash_train` with this checkout on PYTHONPATH, so an
 # installed `dflash-train` is not needed.
 set -euo pipefail
 
@@ -78,10 +78,10 @@ EXTRA_DATA="${EXTRA_DATA:-}"
 SOURCE_SAMPLES="${SOURCE_SAMPLES:-0}"
 SAMPLE_TEMPERATURE="${SAMPLE_TEMPERATURE:-1.0}"
 SAMPLE_TOP_P="${SAMPLE_TOP_P:-0.95}"
-SOURCES="${SOURCES-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_SOURCES; print(*(f"{n}:{c}" for n, c in QUALITY_SOURCES))')}"  # empty: none
+SOURCES="${SOURCES-$("$PYTHON" -c 'from dflash_train.app.recipe import QUALITY_SOURCES; print(*(f"{n}:{c}" for n, c in QUALITY_SOURCES))')}"  # empty: none
 TRAIN_STEPS="${TRAIN_STEPS:-3300}"
 TRAIN_TIME_S="${TRAIN_TIME_S:-900}"
-TRAIN_ARGS="${TRAIN_ARGS-$("$PYTHON" -c 'from dflash_train.recipe import QUALITY_TRAIN_ARGS; print(*QUALITY_TRAIN_ARGS)')}"  # empty: none
+TRAIN_ARGS="${TRAIN_ARGS-$("$PYTHON" -c 'from dflash_train.app.recipe import QUALITY_TRAIN_ARGS; print(*QUALITY_TRAIN_ARGS)')}"  # empty: none
 TRAIN_GPUS="${TRAIN_GPUS:-1}"
 VALIDATION="${VALIDATION:-128}"
 EVAL_EVERY="${EVAL_EVERY:-400}"
@@ -93,8 +93,8 @@ EVAL_BATCH_SIZE="${EVAL_BATCH_SIZE:-32}"
 WORKERS="${WORKERS:-4}"
 DEVICE="${DEVICE:-auto}"
 OUT="${OUT:-runs/quality}"
-DATA="${DATA:-$("$PYTHON" -c 'from dflash_train.assets import sharegpt_json; print(sharegpt_json())')}"
-CLI=("$PYTHON" -m dflash_train.cli)
+DATA="${DATA:-$("$PYTHON" -c 'from dflash_train.core.assets import sharegpt_json; print(sharegpt_json())')}"
+CLI=("$PYTHON" -m dflash_train)
 mkdir -p "$OUT"
 REGEN="$OUT/regenerated.jsonl"
 
@@ -164,7 +164,7 @@ done
 # (b) training: the embedded default drafter (block 16) on the regenerated chats (and sources)
 TRAIN_CLI=("${CLI[@]}")
 if (( TRAIN_GPUS > 1 )); then
-  TRAIN_CLI=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$TRAIN_GPUS" -m dflash_train.cli)
+  TRAIN_CLI=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$TRAIN_GPUS" -m dflash_train)
 fi
 LOG_EVERY=10
 while (( EVAL_EVERY % LOG_EVERY )); do LOG_EVERY=$((LOG_EVERY - 1)); done  # eval.every: a multiple of log.every

@@ -15,7 +15,7 @@ DEVICE="${DEVICE:-cuda}"
 OUT="${OUT:-runs/topology-check}"
 STEPS="${STEPS:-20}"
 mkdir -p "$OUT"
-TRAIN=(-m dflash_train.cli train --config "$ROOT/configs/tiny.yaml" "train.device=$DEVICE" "train.max_steps=$STEPS"
+TRAIN=(-m dflash_train train --config "$ROOT/configs/tiny.yaml" "train.device=$DEVICE" "train.max_steps=$STEPS"
        log.every=1 checkpoint.every=100000)
 ONE=("$PYTHON")
 TWO=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from dflash_train.decode import Graphs
-from dflash_train.drafter import DFlashDrafter, build_drafter_config
+from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
+from dflash_train.engine.graphs import Graphs
 
 # The tests' tensors are tiny: one intra-op thread avoids OpenMP hand-off costs that dominate
 # (and explode when the 2-core CI machine is busy with anything else).
@@ -81,7 +81,7 @@ def random_packed_row(gen: torch.Generator, num_docs: int, max_len: int = 24, pa
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from dflash_train.assets import smollm2_dir
+    from dflash_train.core.assets import smollm2_dir
 
     return smollm2_dir()
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.batching import BatchPlan, BatchStream, collate, quantile_boundaries
+from dflash_train.data.batching import BatchPlan, BatchStream, collate, quantile_boundaries
 
 lengths_st = st.lists(st.integers(1, 600), min_size=1, max_size=300)
 budget_st = st.integers(640, 5000)  # lengths up to 600 round up to a 640 bucket

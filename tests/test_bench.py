@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from dflash_train import bench, cli, flops
-from dflash_train.config import load_config
-from dflash_train.masks import build_layout, dense_mask, packed_anchor_count, sample_anchors, step_generator
-
 from conftest import ROOT, random_packed_row, subprocess_env
+from dflash_train.app import cli
+from dflash_train.bench import flops, harness, profile, workloads
+from dflash_train.core.config import load_config
+from dflash_train.core.masks import build_layout, dense_mask, packed_anchor_count, sample_anchors, step_generator
 
 
 def real_anchor_count(loss_mask_bL: torch.Tensor, lengths_b: torch.Tensor, num_anchors: int) -> int:
@@ -121,14 +121,14 @@ def test_work_counted_from_a_real_step_matches_the_step_itself(shipped_count):
     """The counter sees only the drafter's inputs and the shipments; compare it with what
     the step really built: the dense mask (CPU) and the anchors sample_anchors drew. The anchor
     count is the one the shipment carries, or counted from its loss mask where it has none."""
-    from dflash_train.train import take_step
+    from dflash_train.train.loop import take_step
 
     def without_count(shipments):
         for s in shipments:
             s.anchor_count = None
             yield s
 
-    run, _ = bench.build_run("tiny", ["objective.noise=none"], log=lambda *a: None)
+    run, _ = harness.build_run("tiny", ["objective.noise=none"], log=lambda *a: None)
     drafter = run.step.drafter
     counter = flops.WorkCounter(drafter)
     seen = []
@@ -164,10 +164,10 @@ def test_real_anchor_count_matches_sample_anchors():
 
 
 def test_busy_time_is_the_union_of_intervals_inside_the_window():
-    assert bench.busy_time([(0, 4), (2, 6), (8, 9), (8.5, 8.7)], (0, 10)) == 7
-    assert bench.busy_time([(-5, 1), (9, 20)], (0, 10)) == 2  # clipped to the window
-    assert bench.busy_time([], (0, 10)) == 0
-    assert bench.busy_time([(3, 4), (1, 2), (1.5, 3.5)], (0, 10)) == 3  # unsorted input
+    assert profile.busy_time([(0, 4), (2, 6), (8, 9), (8.5, 8.7)], (0, 10)) == 7
+    assert profile.busy_time([(-5, 1), (9, 20)], (0, 10)) == 2  # clipped to the window
+    assert profile.busy_time([], (0, 10)) == 0
+    assert profile.busy_time([(3, 4), (1, 2), (1.5, 3.5)], (0, 10)) == 3  # unsorted input
 
 
 def test_packed_anchor_count_equals_the_padded_batch_count():
@@ -192,11 +192,11 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     import subprocess
     import sys
 
-    from dflash_train.transport import HEADER_LEN
+    from dflash_train.train.transport import HEADER_LEN
 
     steps = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dflash_train.cli", "bench", "--workload", "tiny", "--steps", str(steps), "--warmup", "1",
+           "dflash_train", "bench", "--workload", "tiny", "--steps", str(steps), "--warmup", "1",
            "--peak-tflops", "1", "--output", str(tmp_path / "bench.json"), "train.num_threads=1",
            f"topology.mode={mode}"] + (["topology.num_target_ranks=1"] if mode == "disaggregated" else [])
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
@@ -233,13 +233,13 @@ def test_bench_under_torchrun_on_two_ranks(mode, tmp_path):
     assert report["transfer_gbytes_per_s"] == pytest.approx(per_step * steps / (report["step_s"] * steps) / 1e9)
 
 
-@pytest.mark.parametrize("name", sorted(bench.WORKLOADS))
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
 def test_every_workload_has_a_valid_config_and_target_shape(name):
     """Each workload's settings load strictly, and its target config has the shape it names
     (smollm2: a Llama with tied embeddings, as the bundled SmolLM2-135M-Instruct)."""
-    wl = bench.WORKLOADS[name]
+    wl = workloads.WORKLOADS[name]
     cfg = load_config(None, [], base=wl.settings)
-    config = bench.target_config(wl)
+    config = workloads.target_config(wl)
     assert config.model_type == wl.target.get("model_type", "qwen3")
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
         assert getattr(config, key) == wl.target[key], key
@@ -299,26 +299,26 @@ def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):
     """The profiled steps decode every row and prefill nothing: the requests are stepped in
     first (one refill, in as many prefill forwards as the prompt-token cap asks for), and their
     budget outlasts the fill and the window."""
-    from dflash_train import decode_bench
-    from dflash_train.slots import SlotDecoder
-    from dflash_train.target import load_target_model
+    from dflash_train.bench import decoding
+    from dflash_train.core.target import load_target_model
+    from dflash_train.engine.slots import SlotDecoder
 
     model, _ = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)
     rows, lengths = 4, (5, 9)
-    budget = decode_bench.profile_budget(rows, lengths[1], prefill_tokens=9, steps=3)
+    budget = decoding.profile_budget(rows, lengths[1], prefill_tokens=9, steps=3)
     assert budget == 4 + 3 + 2  # at most four fill steps of one 9-token prompt, then the window
     slots = SlotDecoder.for_model(model, rows, lengths[1] + budget + 2, graphs=False, prefill_tokens=9)
     prefills, prefill = [], slots.steps.prefill
     slots.steps.prefill = lambda *a, **k: prefills.append(len(a[1])) or prefill(*a, **k)
     path = tmp_path / "kernels.txt"
-    out = decode_bench.profile_regeneration(slots, rows, 1, lengths, int(model.config.vocab_size), 0, path, steps=3)
+    out = decoding.profile_regeneration(slots, rows, 1, lengths, int(model.config.vocab_size), 0, path, steps=3)
     assert out["live_rows"] == rows and out["fill_steps"] == 1 and prefills == [1, 1, 1, 1]  # one forward each
     assert slots.num_live == rows and not slots.pending  # nothing prefilled or finished in the window
     assert path.read_text().startswith("3 regeneration steps at 4 rows, every row live")
 
 
 def test_sync_sites_count_synchronising_warnings_by_call_site():
-    """bench.SyncSites (the profile summary's host-sync list): warnings about synchronising are
+    """profile.SyncSites (the profile summary's host-sync list): warnings about synchronising are
     counted by the line that caused them, other warnings pass through untouched."""
     import warnings
 
@@ -329,7 +329,7 @@ def test_sync_sites_count_synchronising_warnings_by_call_site():
         warnings.warn("called a synchronizing CUDA operation")
 
     with pytest.warns(UserWarning, match="unrelated"):
-        with bench.SyncSites(torch.device("cpu")) as syncs:
+        with profile.SyncSites(torch.device("cpu")) as syncs:
             for _ in range(3):
                 wait()
             wait_elsewhere()
@@ -347,21 +347,21 @@ def test_host_lead_probes_every_stage_layer_and_the_loss_then_restores_the_run(t
     import gc
     import importlib.util
 
-    from dflash_train import step as step_module
-    from dflash_train.metrics import StageTimer
+    from dflash_train.train import step as step_module
+    from dflash_train.train.metrics import StageTimer
 
     spec = importlib.util.spec_from_file_location("host_lead", ROOT / "scripts" / "host_lead.py")
     host_lead = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(host_lead)
     mark, block_loss, callbacks = StageTimer.mark, step_module.block_loss, list(gc.callbacks)
     built = []
-    real_build = bench.build_run
+    real_build = harness.build_run
 
     def build(*args, **kwargs):
         built.append(real_build(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(bench, "build_run", build)
+    monkeypatch.setattr(harness, "build_run", build)
     lines = host_lead.main(["--workload", "tiny", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "r.txt")])
     names = [line.split()[0] for line in lines[2:lines.index(next(x for x in lines if x.startswith("per step")))]]
     layers = built[0][0].step.drafter.layers

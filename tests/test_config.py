@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.config import EMBEDDED_DEFAULT, Config, ConfigError, dump_yaml, load_config
+from dflash_train.core.config import EMBEDDED_DEFAULT, Config, ConfigError, dump_yaml, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -82,10 +82,10 @@ def test_unknown_key_does_not_hide_other_mistakes_of_its_section(tmp_path):
 
 
 def test_cli_takes_overrides_on_both_sides_of_an_option(monkeypatch):
-    from dflash_train import cli
+    from dflash_train.app import cli, commands
 
     seen = []
-    monkeypatch.setattr(cli, "run_train", lambda args: seen.append((args.output_dir, args.overrides)) or 0)
+    monkeypatch.setattr(commands, "run_train", lambda args: seen.append((args.output_dir, args.overrides)) or 0)
     assert cli.main(["train", "optim.lr=1e-3", "--output-dir", "x", "train.grad_accum=2", "log.every=5"]) == 0
     assert seen == [("x", ["optim.lr=1e-3", "train.grad_accum=2", "log.every=5"])]
     with pytest.raises(SystemExit) as stop:  # anything else left over is still an error
@@ -107,7 +107,7 @@ def test_objective_levers_are_checked():
 def test_distillation_refuses_targets_whose_logits_are_not_the_lm_head_product():
     from transformers import AutoConfig
 
-    from dflash_train.train import distill_problem
+    from dflash_train.train.loop import distill_problem
 
     assert distill_problem(AutoConfig.for_model("llama")) is None
     assert distill_problem(AutoConfig.for_model("gemma2")) is not None  # final_logit_softcapping=30
@@ -117,10 +117,10 @@ def test_distillation_refuses_targets_whose_logits_are_not_the_lm_head_product()
 def test_the_embedded_default_says_what_it_is_in_its_first_line(monkeypatch, capsys):
     """`dflash-train train` with no arguments first says it is a smoke-sized run (from the config
     it runs, so the line cannot drift from it); a --config or an override says nothing."""
-    from dflash_train import cli, train as train_module
+    from dflash_train.app import cli, commands
 
     ran = []
-    monkeypatch.setattr(train_module, "train", lambda cfg: ran.append(cfg))
+    monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: ran.append(cfg))
     assert cli.main(["train"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     cfg = load_config(None)
@@ -136,7 +136,7 @@ def test_performance_settings_are_checked_and_resolved():
     are named with the fix; flex options resolve to the small-head tiles only by default."""
     import torch
 
-    from dflash_train.compilation import SMALL_HEAD_FLEX_OPTIONS, Compilation
+    from dflash_train.train.compilation import SMALL_HEAD_FLEX_OPTIONS, Compilation
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.flex_kernel_options={BLOCK_X: 64, BLOCK_N1: 48, bwd_num_warps: 0, "
@@ -172,7 +172,7 @@ def test_intra_op_threads_default_to_one_on_a_gpu():
     CPU run keeps torch's choice."""
     import torch
 
-    from dflash_train.train import intra_op_threads
+    from dflash_train.train.loop import intra_op_threads
 
     assert intra_op_threads(None, torch.device("cuda")) == 1
     assert intra_op_threads(None, torch.device("cpu")) is None
@@ -188,7 +188,8 @@ def test_flex_kernel_passes_is_divisible_where_both_lengths_are_multiples_of_128
     and otherwise passes the configured options alone."""
     import torch
 
-    from dflash_train import compilation, drafter
+    from dflash_train.core import drafter
+    from dflash_train.train import compilation
 
     calls = []
 
@@ -212,7 +213,7 @@ def test_train_compile_covers_the_drafters_layers_and_its_two_norms_outside_them
     nine passes over a float32 copy of its input, forward and backward. Module.compile keeps the
     parameters' names (checkpoints and exports unchanged)."""
     from conftest import tiny_drafter
-    from dflash_train.compilation import compile_drafter_layers
+    from dflash_train.train.compilation import compile_drafter_layers
 
     drafter = tiny_drafter()
     names = [n for n, _ in drafter.named_parameters()]

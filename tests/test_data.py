@@ -13,7 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_train import assets, cli, data
+from dflash_train.app import cli
+from dflash_train.core import assets
+from dflash_train.data import chat_files, preparation
 
 # ---------------------------------------------------------------------------------------------
 # A generator of valid and damaged records with the expected verdict for each.
@@ -48,7 +50,7 @@ def valid_record(rng: random.Random) -> tuple[dict, list[dict]]:
         helper = rng.choice(ASSISTANT_NAMES) if fmt == "sharegpt" else "assistant"
         messages.append((user, "user", random_text(rng)))
         messages.append((helper, "assistant", random_text(rng)))
-    list_key, role_key, content_key = data.FORMATS[fmt]
+    list_key, role_key, content_key = chat_files.FORMATS[fmt]
     record = {list_key: [{role_key: raw, content_key: text} for raw, _, text in messages]}
     if rng.random() < 0.5:
         record["id"] = f"id-{rng.randrange(10**6)}"
@@ -119,15 +121,15 @@ def make_case(rng: random.Random) -> tuple[bytes, list[dict] | None, str | None]
 
 
 def check_cases(path, cases):
-    items = list(data.iter_records([path]))
+    items = list(chat_files.iter_records([path]))
     assert len(items) == len(cases)
     for number, (item, (_, messages, category)) in enumerate(zip(items, cases), start=1):
         assert item.line == number and item.file == str(path)
         if category is None:
-            assert isinstance(item, data.Record), item
+            assert isinstance(item, chat_files.Record), item
             assert item.messages == messages
         else:
-            assert isinstance(item, data.Skip), (number, category)
+            assert isinstance(item, chat_files.Skip), (number, category)
             assert item.category == category, (item.reason, category)
 
 
@@ -148,7 +150,7 @@ def test_fuzz_prepare_thousands(tmp_path, smollm2_path):
     path = tmp_path / "big.jsonl"
     path.write_bytes(b"\n".join(line for line, _, _ in cases) + b"\n")
     check_cases(path, cases)
-    report = data.prepare([path], smollm2_path, tmp_path / "out", log=lambda *_: None).report
+    report = preparation.prepare([path], smollm2_path, tmp_path / "out", log=lambda *_: None).report
     good = sum(category is None for _, _, category in cases)
     bad = {(number, category) for number, (_, _, category) in enumerate(cases, start=1) if category}
     assert report["num_records"] == 3000
@@ -174,7 +176,7 @@ EXPECTED = {
 def test_json_array_lines_and_damage(tmp_path):
     path = tmp_path / "array.json"
     path.write_text(json.dumps([SHAREGPT, 5, OPENAI, {"conversations": "x"}], indent=2))
-    items = list(data.iter_records([path]))
+    items = list(chat_files.iter_records([path]))
     assert [type(i).__name__ for i in items] == ["Record", "Skip", "Record", "Skip"]
     assert items[0].messages == EXPECTED["a"] and items[2].messages == EXPECTED["b"]
     # Each record is reported at the line where its element of the array starts.
@@ -186,8 +188,8 @@ def test_truncated_json_array_keeps_whole_records(tmp_path):
     text = json.dumps([SHAREGPT] * 5, indent=2)
     path = tmp_path / "cut.json"
     path.write_text(text[: int(len(text) * 0.7)])
-    items = list(data.iter_records([path]))
-    assert all(isinstance(i, data.Record) for i in items[:-1]) and len(items) == 4
+    items = list(chat_files.iter_records([path]))
+    assert all(isinstance(i, chat_files.Record) for i in items[:-1]) and len(items) == 4
     assert items[-1].category == "truncated file"
 
 
@@ -196,7 +198,7 @@ def test_json_array_with_broken_middle_and_bad_bytes(tmp_path):
     bad_bytes = good.replace(b"Hello!", b"Hel\xfflo!")
     path = tmp_path / "broken.json"
     path.write_bytes(b"[\n" + good + b",\n" + bad_bytes + b",\n" + good + b",\n{\"conversations\": [,]},\n" + good + b"\n]")
-    items = list(data.iter_records([path]))
+    items = list(chat_files.iter_records([path]))
     assert [(type(i).__name__, i.line) for i in items] == [("Record", 2), ("Skip", 3), ("Record", 4), ("Skip", 5)]
     assert items[1].category == "invalid UTF-8" and items[3].category == "malformed JSON"
 
@@ -213,7 +215,7 @@ def test_jsonl_parquet_folder(tmp_path):
     (folder / "sub" / "d.parquet").write_bytes(b"not a parquet file")
     (folder / "sub" / "e.json").write_text(json.dumps(SHAREGPT, indent=2))  # one pretty-printed record
     (folder / "notes.txt").write_text("ignored")
-    items = list(data.iter_records([folder]))
+    items = list(chat_files.iter_records([folder]))
     where = [(os.path.relpath(i.file, folder), i.line, type(i).__name__) for i in items]
     assert where == [("a.jsonl", 1, "Record"), ("a.jsonl", 3, "Record"), ("b.json", 1, "Record"),
                      ("sub/c.parquet", 1, "Record"), ("sub/c.parquet", 2, "Record"),
@@ -223,17 +225,17 @@ def test_jsonl_parquet_folder(tmp_path):
 
 
 def test_missing_paths_are_clear_errors(tmp_path):
-    with pytest.raises(data.DataError, match="no such file"):
-        data.data_files([tmp_path / "nope.jsonl"])
+    with pytest.raises(chat_files.DataError, match="no such file"):
+        chat_files.data_files([tmp_path / "nope.jsonl"])
     (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(data.DataError, match="unsupported file type '.csv'"):
-        data.data_files([tmp_path / "x.csv"])
+    with pytest.raises(chat_files.DataError, match="unsupported file type '.csv'"):
+        chat_files.data_files([tmp_path / "x.csv"])
 
 
 def test_trim_conversation():
     m = [{"role": "assistant", "content": "orphan"}, {"role": "system", "content": "s"},
          {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "tail"}]
-    assert data.trim_conversation(m) == m[1:4]
+    assert chat_files.trim_conversation(m) == m[1:4]
 
 
 def test_an_unfinished_turn_is_supervised_up_to_its_end_token_not_through_it(tmp_path, smollm2_path, smollm2_tokenizer):
@@ -243,26 +245,26 @@ def test_an_unfinished_turn_is_supervised_up_to_its_end_token_not_through_it(tmp
     end = tok.convert_tokens_to_ids("<|im_end|>")
     record = {"conversations": [{"from": "human", "value": "Count."}, {"from": "gpt", "value": "1 2 3 4", "unfinished": True},
                                 {"from": "human", "value": "Again."}, {"from": "gpt", "value": "1 2 3"}]}
-    parsed = data.parse_record(record, "in.jsonl", 1)
+    parsed = chat_files.parse_record(record, "in.jsonl", 1)
     assert parsed.messages[1] == {"role": "assistant", "content": "1 2 3 4", "unfinished": True}
     assert "unfinished" not in parsed.messages[3]
-    [(ids, mask)] = data.tokenize_samples(tok, data.supervised_spans(tok, parsed.messages))
+    [(ids, mask)] = preparation.tokenize_samples(tok, preparation.supervised_spans(tok, parsed.messages))
     ends = [i for i, t in enumerate(ids) if t == end]  # system, user, assistant, user, assistant
     assert len(ends) == 5
     assert mask[ends[2]] == 0 and mask[ends[2] - 1] == 1  # the cut turn: its text, not its end
     assert mask[ends[4]] == 1  # the finished one: through its end token
-    plain = data.parse_record({"conversations": [{k: v for k, v in t.items() if k != "unfinished"}
+    plain = chat_files.parse_record({"conversations": [{k: v for k, v in t.items() if k != "unfinished"}
                                                  for t in record["conversations"]]}, "in.jsonl", 2)
-    [(_, plain_mask)] = data.tokenize_samples(tok, data.supervised_spans(tok, plain.messages))
+    [(_, plain_mask)] = preparation.tokenize_samples(tok, preparation.supervised_spans(tok, plain.messages))
     assert plain_mask.sum() == mask.sum() + 1
 
     for turn, reason in [({"from": "gpt", "value": "x", "unfinished": "yes"},
                           "wrong type: conversations[1].unfinished must be true or false, got 'yes'"),
                          ({"from": "human", "value": "x", "unfinished": True},
                           "wrong field: conversations[1].unfinished marks a response cut at its budget")]:
-        skipped = data.parse_record({"conversations": [{"from": "human", "value": "q"}, turn,
+        skipped = chat_files.parse_record({"conversations": [{"from": "human", "value": "q"}, turn,
                                                        {"from": "gpt", "value": "a"}]}, "in.jsonl", 3)
-        assert isinstance(skipped, data.Skip) and skipped.reason.startswith(reason), skipped
+        assert isinstance(skipped, chat_files.Skip) and skipped.reason.startswith(reason), skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +278,7 @@ def write_jsonl(path, records):
 
 def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokenizer):
     src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI, {"messages": [{"role": "bot", "content": "x"}]}])
-    result = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    result = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report == result.report
     assert {k: report[k] for k in ("num_records", "num_samples", "num_skipped")} == \
@@ -286,10 +288,10 @@ def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokeni
     ds = result.dataset
     assert ds.column_names == ["input_ids", "loss_mask", "length", "conversation", "source"]
     for line, (row, messages) in enumerate(zip(ds, EXPECTED.values()), 1):
-        [(ids, mask)] = data.tokenize_samples(smollm2_tokenizer, data.supervised_spans(smollm2_tokenizer, messages))
+        [(ids, mask)] = preparation.tokenize_samples(smollm2_tokenizer, preparation.supervised_spans(smollm2_tokenizer, messages))
         assert row["input_ids"] == ids.tolist() and row["loss_mask"] == mask.tolist()
         assert row["length"] == len(ids)
-        assert row["conversation"] == data.conversation_key(messages) and row["source"] == f"{src}:{line}"
+        assert row["conversation"] == chat_files.conversation_key(messages) and row["source"] == f"{src}:{line}"
     assert report["num_tokens"] == sum(ds["length"])
     assert report["num_supervised_tokens"] == sum(sum(m) for m in ds["loss_mask"])
 
@@ -313,68 +315,68 @@ def test_prepared_dataset_is_fingerprinted_from_its_columns_not_by_pickling(monk
         raise AssertionError("datasets hashed the table")
 
     monkeypatch.setattr(datasets.fingerprint.Hasher, "hash", classmethod(no_dill))
-    ds = data._to_dataset(samples())
+    ds = preparation._to_dataset(samples())
     assert ds.to_list() == want.to_list()
     assert ds.column_names == want.column_names
     assert [ds.features[k].feature.dtype for k in ("input_ids", "loss_mask")] == ["int32", "uint8"]
     assert [ds.features[k].dtype for k in ("length", "conversation", "source")] == ["int32", "string", "string"]
-    assert ds._fingerprint == data._to_dataset(samples())._fingerprint
-    others = {data._to_dataset(s)._fingerprint for s in (samples(token=8), samples(bit=0), samples(source="b:1"))}
+    assert ds._fingerprint == preparation._to_dataset(samples())._fingerprint
+    others = {preparation._to_dataset(s)._fingerprint for s in (samples(token=8), samples(bit=0), samples(source="b:1"))}
     assert len(others) == 3 and ds._fingerprint not in others
 
 
 def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT, OPENAI])
-    first = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    first = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     assert not first.cached
 
     def no_tokenizing(*_args, **_kwargs):
         raise AssertionError("a cached prepare must not tokenize")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "tokenize_samples", no_tokenizing)
-        again = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+        patch.setattr(preparation, "tokenize_samples", no_tokenizing)
+        again = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
         assert again.cached and again.report == first.report and len(again.dataset) == 2
         with pytest.raises(AssertionError, match="must not tokenize"):  # a setting changed
-            data.prepare([src], smollm2_path, tmp_path / "out", max_length=64, log=lambda *_: None)
+            preparation.prepare([src], smollm2_path, tmp_path / "out", max_length=64, log=lambda *_: None)
     write_jsonl(src, [SHAREGPT])  # the input changed
-    third = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    third = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     assert not third.cached and third.report["num_samples"] == 1
 
 
 def test_prepare_overlong_truncate_and_drop(tmp_path, smollm2_path):
     long = {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]}
     src = write_jsonl(tmp_path / "in.jsonl", [long, SHAREGPT])
-    cut = data.prepare([src], smollm2_path, tmp_path / "t", max_length=64, log=lambda *_: None)
+    cut = preparation.prepare([src], smollm2_path, tmp_path / "t", max_length=64, log=lambda *_: None)
     assert cut.report["num_samples"] == 2 and cut.report["num_truncated"] == 1
     assert max(cut.dataset["length"]) == 64
-    dropped = data.prepare([src], smollm2_path, tmp_path / "d", max_length=64, overlong="drop", log=lambda *_: None)
+    dropped = preparation.prepare([src], smollm2_path, tmp_path / "d", max_length=64, overlong="drop", log=lambda *_: None)
     assert dropped.report["num_samples"] == 1
     assert dropped.report["skipped_by_reason"] == {"over-long": 1}
     # A truncation that leaves no supervised pair drops the sample and says why.
-    tiny = data.prepare([src], smollm2_path, tmp_path / "s", max_length=30, log=lambda *_: None)
+    tiny = preparation.prepare([src], smollm2_path, tmp_path / "s", max_length=30, log=lambda *_: None)
     assert tiny.report["skipped_by_reason"] == {"too few supervised tokens": 2}
 
 
 def test_prepare_strict_lists_every_bad_record(tmp_path, smollm2_path):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(SHAREGPT) + "\n{broken\n" + json.dumps({"messages": 3}) + "\n")
-    with pytest.raises(data.DataError) as err:
-        data.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
+    with pytest.raises(chat_files.DataError) as err:
+        preparation.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
     message = str(err.value)
     assert "2 bad record(s)" in message and f"{src}:2: malformed JSON" in message and f"{src}:3: wrong type" in message
     assert not (tmp_path / "out").exists()
-    data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
-    with pytest.raises(data.DataError, match="2 bad record"):  # also from the cache
-        data.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
+    preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    with pytest.raises(chat_files.DataError, match="2 bad record"):  # also from the cache
+        preparation.prepare([src], smollm2_path, tmp_path / "out", strict=True, log=lambda *_: None)
 
 
 def test_prepare_refuses_foreign_out_folder(tmp_path, smollm2_path):
     src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT])
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "precious.txt").write_text("keep me")
-    with pytest.raises(data.DataError, match="not a prepared dataset"):
-        data.prepare([src], smollm2_path, tmp_path / "mine", log=lambda *_: None)
+    with pytest.raises(chat_files.DataError, match="not a prepared dataset"):
+        preparation.prepare([src], smollm2_path, tmp_path / "mine", log=lambda *_: None)
     assert (tmp_path / "mine" / "precious.txt").exists()
 
 
@@ -382,8 +384,8 @@ def test_prepare_rewriting_template(tmp_path, template_dirs):
     two_turns = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                               {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
     src = write_jsonl(tmp_path / "in.jsonl", [two_turns])
-    assert data.prepare([src], template_dirs["llama3"], tmp_path / "l", log=lambda *_: None).report["num_samples"] == 1
-    assert data.prepare([src], template_dirs["qwen3"], tmp_path / "q", log=lambda *_: None).report["num_samples"] == 2
+    assert preparation.prepare([src], template_dirs["llama3"], tmp_path / "l", log=lambda *_: None).report["num_samples"] == 1
+    assert preparation.prepare([src], template_dirs["qwen3"], tmp_path / "q", log=lambda *_: None).report["num_samples"] == 2
 
 
 def test_cli_data_prepare(tmp_path, smollm2_path, capsys):
@@ -401,7 +403,7 @@ def test_cli_data_prepare(tmp_path, smollm2_path, capsys):
     bundled = ["data", "prepare", "--data", str(src), "--target", "bundled:smollm2-135m-instruct",
                "--out", str(tmp_path / "bundled"), "--max-length", "128"]
     assert cli.main(bundled) == 0
-    assert data.load_prepared(tmp_path / "bundled")["input_ids"] == data.load_prepared(out)["input_ids"]
+    assert preparation.load_prepared(tmp_path / "bundled")["input_ids"] == preparation.load_prepared(out)["input_ids"]
 
 
 def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypatch):
@@ -412,14 +414,14 @@ def test_default_dataset_uses_bundled_sharegpt(tmp_path, smollm2_path, monkeypat
     small.write_bytes(head)
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(assets, "sharegpt_json", lambda: small)
-    result = data.default_dataset(smollm2_path, log=lambda *_: None)
+    result = preparation.default_dataset(smollm2_path, log=lambda *_: None)
     assert result.path.parent == tmp_path / "cache" / "data"
     report = result.report
     assert report["skipped_by_reason"].get("truncated file") == 1
     # ChatML never rewrites turns: every record is one sample or one skip.
     assert report["num_samples"] > 20 and report["num_records"] == report["num_samples"] + report["num_skipped"]
-    assert data.default_dataset(smollm2_path, log=lambda *_: None).cached
-    assert np.all(np.asarray(result.dataset["length"]) <= data.DEFAULT_MAX_LENGTH)
+    assert preparation.default_dataset(smollm2_path, log=lambda *_: None).cached
+    assert np.all(np.asarray(result.dataset["length"]) <= preparation.DEFAULT_MAX_LENGTH)
 
 
 def test_cache_folders_wanted_at_once_are_built_once(tmp_path, smollm2_path, monkeypatch):
@@ -427,6 +429,7 @@ def test_cache_folders_wanted_at_once_are_built_once(tmp_path, smollm2_path, mon
     embedded default's prepared data and a converted target are each built by one of them; the
     other waits for the folder's lock and then reads what the first built."""
     import threading
+
     import transformers
 
     head = assets.sharegpt_json().read_bytes()[:100_000]
@@ -455,7 +458,7 @@ def test_cache_folders_wanted_at_once_are_built_once(tmp_path, smollm2_path, mon
         return results
 
     lines: list[str] = []
-    prepared = both(lambda: data.default_dataset(smollm2_path, max_length=128, log=lines.append))
+    prepared = both(lambda: preparation.default_dataset(smollm2_path, max_length=128, log=lines.append))
     assert sorted(p.cached for p in prepared) == [False, True], lines
     assert len(prepared[0].dataset) == len(prepared[1].dataset) > 0
 
@@ -475,9 +478,9 @@ def test_an_up_to_date_prepared_folder_is_read_where_nothing_can_be_written(tmp_
     """A cached prepared folder on a read-only place (a shared cache) is read as it is; only a
     folder that must be written is checked for writing."""
     src = write_jsonl(tmp_path / "in.jsonl", [SHAREGPT])
-    first = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
-    monkeypatch.setattr(data, "folder_problem", lambda path: "read-only file system")
-    again = data.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    first = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
+    monkeypatch.setattr(preparation, "folder_problem", lambda path: "read-only file system")
+    again = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     assert again.cached and again.report["num_samples"] == first.report["num_samples"] == 1
-    with pytest.raises(data.DataError, match="read-only file system"):
-        data.prepare([src], smollm2_path, tmp_path / "elsewhere", log=lambda *_: None)
+    with pytest.raises(chat_files.DataError, match="read-only file system"):
+        preparation.prepare([src], smollm2_path, tmp_path / "elsewhere", log=lambda *_: None)

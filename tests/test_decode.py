@@ -12,10 +12,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import SimulatedGraphs, tiny_drafter, tiny_target_config
-from dflash_train.decode import Graphs, StaticCache, TargetSteps, pick, row_buckets, width_buckets
-from dflash_train.sampling import choose, position_uniform
-from dflash_train.slots import SlotDecoder
-from dflash_train.specdec import Decoder, DFlashProposer
+from dflash_train.engine.decode import StaticCache, TargetSteps, pick, row_buckets, width_buckets
+from dflash_train.engine.decoder import Decoder
+from dflash_train.engine.graphs import Graphs
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.engine.sampling import choose, position_uniform
+from dflash_train.engine.slots import SlotDecoder
 
 VOCAB = 128
 CUDA = torch.cuda.is_available()
@@ -197,8 +199,8 @@ def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
     output and the eager engine's, acceptance lengths included, at batch 1 and for several rows
     (with padding rows), for a plain and a sliding-window target."""
     from conftest import tiny_drafter
-    from dflash_train import decode, specdec
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.engine import decode, proposer
 
     model = tiny_target if kind == "llama" else _sliding_target()
     drafter = (tiny_drafter(num_layers=2, block_size=4, num_taps=3) if kind == "llama" else
@@ -210,7 +212,7 @@ def test_the_graph_paths_decode_as_eager(tiny_target, kind, monkeypatch):
     want = [eager.speculate([p], 20)[0] for p in ps]
     assert [w.output_ids for w in want] == refs
     monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
-    monkeypatch.setattr(specdec, "Graphs", SimulatedGraphs)
+    monkeypatch.setattr(proposer, "Graphs", SimulatedGraphs)
     engine = Decoder(model, DFlashProposer.for_target(drafter, model))
     engine.capture(rows=1, capacity=128)
     captured_keys = set(engine.target.graphs.entries)
@@ -242,7 +244,7 @@ def test_varlen_attention_decodes_as_the_masked_engine(tiny_target, monkeypatch)
     with refills and speculative output, alone and batched with padding rows, equal
     transformers' greedy output and the masked engine's acceptance lengths; decode and verify
     steps take one graph per row bucket, whatever their width."""
-    from dflash_train import decode, specdec
+    from dflash_train.engine import decode, proposer
 
     drafter = tiny_drafter(num_layers=2, block_size=4, num_taps=3)
     ps = prompts([1, 6, 29, 13, 70], seed=3)
@@ -251,7 +253,7 @@ def test_varlen_attention_decodes_as_the_masked_engine(tiny_target, monkeypatch)
                      attention="masked")
     want = [masked.speculate([p], 20)[0].acceptance_lengths for p in ps]
     monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
-    monkeypatch.setattr(specdec, "Graphs", SimulatedGraphs)
+    monkeypatch.setattr(proposer, "Graphs", SimulatedGraphs)
     slots = SlotDecoder.for_model(tiny_target, 3, 128, attention="varlen", refill=1, overlap=True)
     assert slots.steps.attention == "varlen-reference" and masked.target.attention == "masked"
     for i, p in enumerate(ps):
@@ -273,7 +275,7 @@ def test_key_counts_place_each_rows_queries_at_its_last_positions():
     """A decode step's row reads columns 0..pos; a verify block at p..p+Q-1 reads 0..p+Q-1 with
     query i at p+i; a padding row (positions -1, clamped to 0) reads Q columns, so every query
     of it sees a key."""
-    from dflash_train.engine_attention import KeyCounts
+    from dflash_train.core.attention import KeyCounts
 
     decode = KeyCounts.of(torch.tensor([[7], [0], [30]]), 64, tiny_target_config(), flash=False)
     assert decode.last_R.tolist() == [7, 0, 30]
@@ -318,7 +320,7 @@ def test_overlapped_steps_with_requests_arriving_between_them(tiny_target, monke
     already queued; rows that end at the cache's last usable position (their one step past the
     end writes below the trash column); rows compacted, then refilled. Every request gets
     transformers' greedy output, as with the serial decoder, and the host's time is counted."""
-    from dflash_train import decode
+    from dflash_train.engine import decode
 
     monkeypatch.setattr(decode, "Graphs", SimulatedGraphs)
     capacity = 48
@@ -434,7 +436,7 @@ def test_captured_steps_equal_eager_steps(cuda_target, dtype):
     """The same prefill, decode and verify steps, captured and eager, on identical caches:
     identical tokens, acceptance counts and features (the graph replays the eager kernels; the
     captured prefill is padded to its width bucket, and no real position sees the padding)."""
-    from dflash_train.target import LayerTaps
+    from dflash_train.core.target import LayerTaps
 
     model = copy.deepcopy(cuda_target).to(dtype)
     with torch.inference_mode(), LayerTaps(model, [1, 3]) as taps:
@@ -499,7 +501,7 @@ def test_queued_steps_never_wait_for_the_gpu_but_to_read_tokens(cuda_target, mon
     the device waits for the step in flight and undoes the overlap. Under CUDA's sync debug
     mode set to error, steps where rows finish and move run through; only the reading of a
     step's tokens may wait. The tokens stay transformers' greedy ones."""
-    from dflash_train import slots as slots_module
+    from dflash_train.engine import slots as slots_module
 
     model = cuda_target
     ps = prompts([3, 40, 7, 22, 15, 9, 31, 12], seed=4)
@@ -547,7 +549,7 @@ def test_qwen2_shaped_target_is_lossless_batched_with_refills(device):
     query rows a decode step and 7 x B a verify step), in float32, with graphs where CUDA has
     them: 6 prompts of mixed lengths through 4 rows (refills, rows retiring at their budgets),
     target-only and speculative output both equal to transformers' greedy generate."""
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 
     model = qwen2_shaped_target(device)
     drafter = DFlashDrafter(build_drafter_config(model.config, num_layers=1, block_size=8,
@@ -576,7 +578,7 @@ def test_flash_varlen_attention_equals_its_reference(queries):
     columns past them, SmolLM2's 9 query heads over 3 key/value heads of 64), bf16, a padding
     row included, against the position-mask reference; and a verify block's last query equals a
     decode step at its position bit for bit (the two steps' kernels agree)."""
-    from dflash_train.engine_attention import KeyCounts, varlen_attention
+    from dflash_train.core.attention import KeyCounts, varlen_attention
 
     torch.manual_seed(0)
     R, Hkv, G, C, D = 5, 3, 3, 384, 64

@@ -17,18 +17,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train import cli
-from dflash_train.config import ConfigError, load_config
-from dflash_train.dist import Assignment, Dist
-
 from conftest import ROOT, TINY, losses, subprocess_env
+from dflash_train.app import cli
+from dflash_train.core.config import ConfigError, load_config
+from dflash_train.train.dist import Assignment, Dist
 
 STEPS = 10  # room for the stops after step 7 below, and two log intervals of 5 (INTERVAL)
 
 
 def torchrun(out: Path, nproc: int, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "dflash_train.cli", "train", "--config", str(TINY), "--output-dir", str(out),
+            "-m", "dflash_train", "train", "--config", str(TINY), "--output-dir", str(out),
             f"train.max_steps={STEPS}", "train.num_threads=1", *overrides]
 
 
@@ -248,8 +247,8 @@ def test_one_target_two_drafters_resume_on_one_drafter_with_grad_accum_2(interva
 def test_resume_with_another_global_batch_is_refused_naming_the_numbers_and_the_fix(tmp_path, capsys):
     from datasets import Dataset
 
-    from dflash_train.batching import BatchPlan, BatchStream
-    from dflash_train.checkpoint import CheckpointError, DataPosition
+    from dflash_train.data.batching import BatchPlan, BatchStream
+    from dflash_train.train.checkpoint import CheckpointError, DataPosition
 
     args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "train.max_steps=2", "train.grad_accum=2"]
     assert cli.main(args) == 0

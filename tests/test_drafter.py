@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config
 
-from dflash_train.drafter import (
+from conftest import random_packed_row, tiny_drafter, tiny_target_config
+from dflash_train.core.drafter import (
     DFlashDrafter,
     DrafterCache,
     build_drafter_config,
@@ -17,9 +18,8 @@ from dflash_train.drafter import (
     default_target_layer_ids,
     resolve_mask_token_id,
 )
-from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
-
-from conftest import random_packed_row, tiny_drafter, tiny_target_config
+from dflash_train.core.loss import LossSettings
+from dflash_train.core.masks import build_attention_masks, build_layout, sample_anchors, step_generator
 
 H = 64
 
@@ -76,7 +76,7 @@ def test_mixed_precision_training_keeps_activations_in_bf16():
     activations are bf16 as serving's are (before, a float32 weight made them float32: the q/k
     path, rope and the lm_head's input ran in float32 in training only), and the two forwards
     agree to bf16 rounding."""
-    from dflash_train.drafter import RMSNorm
+    from dflash_train.core.drafter import RMSNorm
 
     norm = RMSNorm(H, 1e-6)
     with torch.no_grad():
@@ -324,7 +324,7 @@ def test_parameter_counts_of_published_shapes(smollm2_path):
 def _train_on_iid_tokens(mask_for, steps=80, V=32, B=4, seed=0):
     """Train on fresh i.i.d. random tokens whose context feature at p encodes token p: the
     next tokens are unpredictable unless the mask leaks context at or after the anchor."""
-    from dflash_train.loss import block_loss
+    from dflash_train.core.loss import block_loss
 
     torch.manual_seed(seed)
     target = tiny_target_config(vocab_size=V, num_hidden_layers=4)
@@ -344,7 +344,7 @@ def _train_on_iid_tokens(mask_for, steps=80, V=32, B=4, seed=0):
         feats = embed[ids][None]
         mask = mask_for(layout)
         hidden = drafter(feats, embed[layout.block_input_ids(ids, V - 1)][None], layout.position_ids(), attention_mask=mask)[0]
-        out = block_loss(hidden, lm_head, layout.labels(ids), layout.valid_NB.flatten(), B, gamma=2.0)
+        out = block_loss(hidden, lm_head, layout.labels(ids), layout.valid_NB.flatten(), B, LossSettings(gamma=2.0))
         opt.zero_grad()
         out.loss().backward()
         opt.step()
@@ -357,7 +357,7 @@ def test_training_cannot_see_the_future():
     stays at chance on unpredictable tokens; a mask that leaks one position drives it down."""
     import math
 
-    from dflash_train.masks import block_mask_mod, dense_mask
+    from dflash_train.core.masks import block_mask_mod, dense_mask
 
     def real(layout):
         return build_attention_masks(layout, ["full_attention"], None, "sdpa")

@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_train import cli
-from dflash_train.errors import BAD_INPUT, FAILED
-
 from conftest import TINY
+from dflash_train.app import cli
+from dflash_train.core.errors import BAD_INPUT, FAILED
 
 TARGET = "bundled:tiny-random-llama"
 CHAT = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
@@ -34,7 +33,7 @@ def closed_port() -> int:
 
 
 def save_drafter(folder: Path, target_config, mask_token_id: int) -> Path:
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 
     torch.manual_seed(0)
     config = build_drafter_config(target_config, num_layers=1, block_size=4, num_taps=2, mask_token_id=mask_token_id)
@@ -47,7 +46,7 @@ def ws(tmp_path_factory):
     """The files and folders the mistakes are made with."""
     from transformers import AutoConfig, LlamaConfig
 
-    from dflash_train.target import resolve_target_path
+    from dflash_train.core.target import resolve_target_path
 
     root = tmp_path_factory.mktemp("mistakes")
     target_dir = resolve_target_path(TARGET)  # built before the loaders are forbidden
@@ -203,13 +202,13 @@ def no_loading(monkeypatch):
     """Model, tokenizer and data loading fail the test when reached."""
     import transformers
 
-    from dflash_train import data
+    from dflash_train.data import preparation
 
     def forbidden(*args, **kwargs):
         raise AssertionError("loaded before the checks that need nothing heavy")
 
     for owner, name in ((transformers.AutoModelForCausalLM, "from_pretrained"),
-                        (transformers.AutoTokenizer, "from_pretrained"), (data, "_build_samples")):
+                        (transformers.AutoTokenizer, "from_pretrained"), (preparation, "_build_samples")):
         monkeypatch.setattr(owner, name, forbidden)
 
 
@@ -248,11 +247,11 @@ def test_the_table_covers_every_command_and_the_contract():
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only the project's errors (and the system's refusals) are said in one line: anything else
     is a bug of ours and reaches the caller with its traceback."""
-    from dflash_train import plot
+    from dflash_train.app import commands
 
     def broken(run_dir, out=None):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(plot, "write_report", broken)
+    monkeypatch.setattr(commands, "write_report", broken)
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["plot", "."])

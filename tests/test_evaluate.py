@@ -12,12 +12,15 @@ import sys
 import pytest
 import torch
 
-from dflash_train.target import load_target_model
-from dflash_train import evaluate, specdec
-from dflash_train.cli import main
-from dflash_train.config import ConfigError, load_config
-
 from conftest import ROOT, subprocess_env
+from dflash_train.app.cli import main
+from dflash_train.core.config import ConfigError, load_config
+from dflash_train.core.target import load_target_model
+from dflash_train.engine.decoder import Decoder, Generation, speculative_generate
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.engine.sampling import stop_token_ids
+from dflash_train.eval import evaluate, prompts, results
+from dflash_train.eval.during_training import DuringTraining
 
 TINY = "bundled:tiny-random-llama"
 
@@ -25,8 +28,8 @@ TINY = "bundled:tiny-random-llama"
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """The bundled tiny target (model, tokenizer) and an untrained drafter exported for it."""
-    from dflash_train.export import export_drafter
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+    from dflash_train.core.export import export_drafter
 
     model, tokenizer = load_target_model(TINY, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
@@ -46,14 +49,14 @@ def write_prompts(path, records):
 
 
 def test_prompt_sets_are_formed_as_the_paper_forms_them():
-    from dflash_train import assets
+    from dflash_train.core import assets
 
-    mt = evaluate.load_prompts("mt-bench")
+    mt = prompts.load_prompts("mt-bench")
     assert len(mt) == 80 and all(len(r.turns) == 2 for r in mt)
     first = json.loads(assets.mtbench_jsonl().read_text().splitlines()[0])
     assert mt[0].id == "81" and mt[0].turns == first["turns"]  # no wrapper, no system prompt
 
-    he = evaluate.load_prompts("humaneval")
+    he = prompts.load_prompts("humaneval")
     assert len(he) == 164 and he[0].id == "HumanEval/0"
     prompt0 = he[0].turns[0].split("```python\n", 1)[1].removesuffix("\n```")
     assert he[0].turns == [
@@ -62,7 +65,7 @@ def test_prompt_sets_are_formed_as_the_paper_forms_them():
     ]
     assert prompt0.startswith("from typing import List\n\n\ndef has_close_elements(")
 
-    gsm = evaluate.load_prompts("gsm8k")
+    gsm = prompts.load_prompts("gsm8k")
     assert len(gsm) == 1319
     assert gsm[0].turns == [
         "Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
@@ -70,28 +73,28 @@ def test_prompt_sets_are_formed_as_the_paper_forms_them():
         "per fresh duck egg. How much in dollars does she make every day at the farmers' market?"
         "\nPlease reason step by step, and put your final answer within \\boxed{}."
     ]
-    assert len(evaluate.load_prompts("gsm8k", limit=3)) == 3
+    assert len(prompts.load_prompts("gsm8k", limit=3)) == 3
 
 
 def test_prompt_files_and_their_errors(tmp_path):
     f = write_prompts(tmp_path / "p.jsonl", [{"turns": ["a", "b"]}, {"id": "x", "turns": ["c"]}])
-    records = evaluate.load_prompts(str(f))
+    records = prompts.load_prompts(str(f))
     assert [(r.id, r.turns) for r in records] == [("0", ["a", "b"]), ("x", ["c"])]
-    assert evaluate.set_label(str(f)) == "p"
+    assert prompts.set_label(str(f)) == "p"
     with pytest.raises(ValueError, match="record 1"):
-        evaluate.load_prompts(str(write_prompts(tmp_path / "bad.jsonl", [{"turns": []}])))
+        prompts.load_prompts(str(write_prompts(tmp_path / "bad.jsonl", [{"turns": []}])))
     with pytest.raises(ValueError, match="not one of"):
-        evaluate.load_prompts("no-such-set")
+        prompts.load_prompts("no-such-set")
 
 
 def test_a_records_system_message_opens_every_turns_prompt(tmp_path, smollm2_tokenizer):
     """A prompts file's "system" (what a run's validation.jsonl carries for a conversation that
     opens with one) comes before the first turn in every turn's prompt; without it the template
     adds its default. A bad "system" is refused with the record's number."""
-    from dflash_train.specdec import Generation
+    from dflash_train.engine.decoder import Generation
 
     f = write_prompts(tmp_path / "s.jsonl", [{"turns": ["Hi", "More"], "system": "Be terse."}, {"turns": ["Hi"]}])
-    records = evaluate.load_prompts(str(f))
+    records = prompts.load_prompts(str(f))
     assert [r.system for r in records] == ["Be terse.", None]
     seen = []
 
@@ -107,15 +110,15 @@ def test_a_records_system_message_opens_every_turns_prompt(tmp_path, smollm2_tok
                 [{"role": "user", "content": "Hi"}],
                 [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": "More"}]]
-    assert seen == [evaluate.prompt_ids(smollm2_tokenizer, m) for m in expected]
+    assert seen == [prompts.prompt_ids(smollm2_tokenizer, m) for m in expected]
     assert "Be terse." in smollm2_tokenizer.decode(seen[2]) and "Be terse." not in smollm2_tokenizer.decode(seen[1])
     with pytest.raises(ValueError, match="record 1: \"system\" must be a string"):
-        evaluate.load_prompts(str(write_prompts(tmp_path / "b.jsonl", [{"turns": ["a"], "system": 3}])))
+        prompts.load_prompts(str(write_prompts(tmp_path / "b.jsonl", [{"turns": ["a"], "system": 3}])))
 
 
 def test_prompt_ids_are_the_chat_template_with_generation_prompt(smollm2_tokenizer):
     messages = [{"role": "user", "content": "Hi there"}]
-    ids = evaluate.prompt_ids(smollm2_tokenizer, messages)
+    ids = prompts.prompt_ids(smollm2_tokenizer, messages)
     text = smollm2_tokenizer.decode(ids)
     assert text == smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
@@ -126,28 +129,29 @@ def test_prompt_ids_are_the_chat_template_with_generation_prompt(smollm2_tokeniz
 
 def test_second_turn_sees_our_first_answer(tiny_setup):
     model, tokenizer, drafter, _ = tiny_setup
-    proposer = specdec.DFlashProposer.for_target(drafter, model)
-    records = [evaluate.PromptRecord("q", ["Name a colour.", "And another one?"])]
-    result = evaluate.run_prompt_set(model, tokenizer, proposer, records, max_new_tokens=12, measure_speedup=True)
+    proposer = DFlashProposer.for_target(drafter, model)
+    records = [prompts.PromptRecord("q", ["Name a colour.", "And another one?"])]
+    result = evaluate.run_prompt_set(Decoder(model, proposer), tokenizer, records, max_new_tokens=12,
+                                     measure_speedup=True)
     entry = result.prompts[0]
     assert len(entry["acceptance_lengths"]) == len(entry["output_ids"]) == 2
     assert result.mismatched_turns == 0 and result.baseline_tokens == result.spec_tokens
     first = entry["output_ids"][0]
-    stop = specdec.stop_token_ids(tokenizer, model.generation_config)
+    stop = stop_token_ids(tokenizer, model.generation_config)
     answer = tokenizer.decode(first[:-1] if first[-1] in stop else first, skip_special_tokens=True)
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": answer},
                 {"role": "user", "content": "And another one?"}]
-    again = specdec.speculative_generate(model, evaluate.prompt_ids(tokenizer, messages), proposer, 12,
+    again = speculative_generate(model, prompts.prompt_ids(tokenizer, messages), proposer, 12,
                                          stop_ids=stop, seed=1)
     assert again.output_ids == entry["output_ids"][1]
 
 
 def test_combine_reports_the_papers_tau():
-    a = evaluate.SetResult("a", 4, prompts=[{"acceptance_lengths": [[1, 1], [4]]}], spec_seconds=1.0, spec_tokens=10,
+    a = results.SetResult("a", 4, prompts=[{"acceptance_lengths": [[1, 1], [4]]}], spec_seconds=1.0, spec_tokens=10,
                            spec_cycles=4, baseline_seconds=3.0, baseline_tokens=10)
-    b = evaluate.SetResult("b", 4, prompts=[{"acceptance_lengths": [[2, 2, 2]]}], spec_seconds=1.0, spec_tokens=10,
+    b = results.SetResult("b", 4, prompts=[{"acceptance_lengths": [[2, 2, 2]]}], spec_seconds=1.0, spec_tokens=10,
                            spec_cycles=3, baseline_seconds=1.0, baseline_tokens=10)
-    doc = evaluate.combine([a, b], {"temperature": 0.0})
+    doc = results.combine([a, b], {"temperature": 0.0})
     assert doc["per_set"]["a"]["tau"] == 2.5  # mean of turn means (1 and 4), not of cycles (2)
     assert doc["per_set"]["a"]["tau_cycles"] == 2.0
     assert doc["per_set"]["a"]["speedup"] == pytest.approx(3.0) and doc["speedup"] == pytest.approx(2.0)
@@ -155,7 +159,7 @@ def test_combine_reports_the_papers_tau():
     assert doc["per_set"]["a"]["spec_s_per_cycle"] == 0.25
     assert doc["per_set"]["a"]["cycle_target_steps"] == pytest.approx(0.25 / 0.3)
     assert doc["cycle_target_steps"] == pytest.approx((2.0 / 7) / (4.0 / 20))  # over both sets' timed turns
-    assert evaluate.speedup_fields(1.0, 10, 1.0, 10)["cycle_target_steps"] is None  # no cycles counted
+    assert results.speedup_fields(1.0, 10, 1.0, 10)["cycle_target_steps"] is None  # no cycles counted
     assert doc["tau"] == 2.25
     assert doc["histogram"] == [2, 3, 0, 1]
 
@@ -171,32 +175,32 @@ def test_mismatched_turns_say_where_the_two_outputs_first_differ():
         def decode(self, ids, **kw):
             return " ".join(map(str, ids))
 
-    result, entry = evaluate.SetResult("s", 4), {"id": "r", "acceptance_lengths": [], "output_ids": []}
+    result, entry = results.SetResult("s", 4), {"id": "r", "acceptance_lengths": [], "output_ids": []}
     stats, messages = [], []
     for spec, base in (([1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 3, 4], [1, 2, 9, 4]), ([1, 2, 3, 4, 5], [7, 2])):
-        evaluate._add_turn(entry, stats, messages, Text(), specdec.Generation(spec, [1] * (len(spec) - 1)),
-                           specdec.Generation(base))
+        evaluate._add_turn(entry, stats, messages, Text(), Generation(spec, [1] * (len(spec) - 1)),
+                           Generation(base))
     result.add_record(entry, stats)
     summary = result.summary()
     assert summary["mismatched_turns"] == 2
     assert summary["mismatches"] == [{"id": "r", "turn": 1, "first_difference": 2, "new_tokens": 4},
                                      {"id": "r", "turn": 2, "first_difference": 0, "new_tokens": 5}]
-    text = evaluate.markdown_summary(evaluate.combine([result], {"temperature": 0.0}))
+    text = results.markdown_summary(results.combine([result], {"temperature": 0.0}))
     assert "s 2 (first differing token: median 1, 0-2)" in text
-    unchecked = evaluate.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
+    unchecked = results.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
     assert unchecked["mismatches"] is None and unchecked["mismatched_turns"] is None
 
 
 def test_loop_period_finds_the_loop_a_turn_ends_in():
     prose = list(range(100, 140))  # 40 distinct ids
-    assert evaluate.loop_period(prose + [7] * 32) == 1
-    assert evaluate.loop_period(prose + [1, 2, 3, 4, 5] * 7) == 5  # 35 ids: 3 periods and >= 32 tokens
-    assert evaluate.loop_period(prose + [1, 2, 3, 4, 5] * 6) is None  # 30 ids: under 32
-    assert evaluate.loop_period(prose + list(range(40)) * 3) == 40  # a sentence said three times
-    assert evaluate.loop_period(prose + list(range(40)) * 2) is None  # twice is not a loop
-    assert evaluate.loop_period(prose + [7] * 32 + [2]) is None  # it ended on a stop token
-    assert evaluate.loop_period([7] * 31) is None and evaluate.loop_period([]) is None
-    assert evaluate.loop_period(prose) is None
+    assert results.loop_period(prose + [7] * 32) == 1
+    assert results.loop_period(prose + [1, 2, 3, 4, 5] * 7) == 5  # 35 ids: 3 periods and >= 32 tokens
+    assert results.loop_period(prose + [1, 2, 3, 4, 5] * 6) is None  # 30 ids: under 32
+    assert results.loop_period(prose + list(range(40)) * 3) == 40  # a sentence said three times
+    assert results.loop_period(prose + list(range(40)) * 2) is None  # twice is not a loop
+    assert results.loop_period(prose + [7] * 32 + [2]) is None  # it ended on a stop token
+    assert results.loop_period([7] * 31) is None and results.loop_period([]) is None
+    assert results.loop_period(prose) is None
 
     def plain(ids):  # the definition, period by period
         for p in range(1, len(ids) // 3 + 1):
@@ -210,20 +214,20 @@ def test_loop_period_finds_the_loop_a_turn_ends_in():
         pattern = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
         ids = [rng.randrange(5) for _ in range(rng.randrange(60))] + pattern * rng.randrange(8) \
             + [rng.randrange(3) for _ in range(rng.randrange(3))]
-        assert evaluate.loop_period(ids) == plain(ids), ids
+        assert results.loop_period(ids) == plain(ids), ids
 
 
 def test_sets_report_tau_on_looping_turns_apart():
     looping, plain = list(range(50)) + [9] * 40, list(range(60))
-    result = evaluate.SetResult("s", 16, prompts=[
+    result = results.SetResult("s", 16, prompts=[
         {"acceptance_lengths": [[16, 16, 16, 16, 16, 10], [2, 1, 3]], "output_ids": [looping, plain]},
         {"acceptance_lengths": [[1, 1]], "output_ids": [plain[:3]]}])
     summary = result.summary()
     assert summary["loop_turns"] == 1
     assert summary["loop_tau_cycles"] == 90 / 6 and summary["other_tau_cycles"] == 8 / 5
-    text = evaluate.markdown_summary(evaluate.combine([result], {"temperature": 0.0, "max_new_tokens": 90}))
+    text = results.markdown_summary(results.combine([result], {"temperature": 0.0, "max_new_tokens": 90}))
     assert "Turns ending in a loop" in text and "s 1 of 3 (tau over cycles 15.000 there, 1.600 elsewhere)" in text
-    assert "loop_turns" not in evaluate.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
+    assert "loop_turns" not in results.SetResult("t", 4, prompts=[{"acceptance_lengths": [[1]]}]).summary()
 
 
 def test_eval_command_writes_json_markdown_and_png(tiny_setup, tmp_path, capsys):
@@ -273,7 +277,7 @@ def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
     of the last in-training evaluation. (With the random tiny target a few steps do not lift
     acceptance above 1, so this checks the pipeline end to end; that acceptance depends on the
     drafter's weights exactly as served is checked in test_specdec.py, incremental vs fresh.)"""
-    from dflash_train.train import train
+    from dflash_train.train.loop import train
 
     prompts = write_prompts(tmp_path / "held_out.jsonl",
                             [{"turns": ["What is a drafter?", "Why?"]}, {"turns": ["Count to ten."]},
@@ -284,7 +288,7 @@ def test_exported_drafter_reproduces_in_training_evaluation(tmp_path):
         "eval.every=2", f"eval.prompts={prompts}", "eval.limit=null", "eval.max_new_tokens=24",
         "checkpoint.export_dtype=float32",
     ])
-    exported = train(cfg, log=lambda *a: None)
+    exported = train(cfg, log=lambda *a: None, evaluation=DuringTraining())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in records if "eval_tau" in r]
     assert [r["step"] for r in evaluated] == [2, 4, 6]
@@ -314,15 +318,15 @@ def test_the_warm_capacity_holds_every_timed_turn(tiny_setup):
     prompts: the earlier turns and answers) must fit in it, since growing the caches drops
     every captured graph inside a timed turn."""
     model, tokenizer, drafter, _ = tiny_setup
-    records = [evaluate.PromptRecord("a", ["Tell me a long story about a cat.", "And another one, longer.",
+    records = [prompts.PromptRecord("a", ["Tell me a long story about a cat.", "And another one, longer.",
                                            "One more."]),
-               evaluate.PromptRecord("b", ["Hi"], system="Be brief.")]
+               prompts.PromptRecord("b", ["Hi"], system="Be brief.")]
     new = 24
     capacity = evaluate.warm_capacity(tokenizer, [("mine", records)], new, drafter.block_size)
-    proposer = specdec.DFlashProposer.for_target(drafter, model)
-    engine = specdec.Decoder(model, proposer, capacity=capacity)
+    proposer = DFlashProposer.for_target(drafter, model)
+    engine = Decoder(model, proposer, capacity=capacity)
     steps = engine.target
-    stop_ids = specdec.stop_token_ids(tokenizer, model.generation_config)
+    stop_ids = stop_token_ids(tokenizer, model.generation_config)
     for i, record in enumerate(records):
         entry, turns = evaluate.decode_record(engine, tokenizer, record, i, name="mine", max_new_tokens=new, seed=0,
                                               stop_ids=stop_ids, baseline=True)
@@ -339,8 +343,9 @@ def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
     prompts = write_prompts(tmp_path / "mine.jsonl", [{"turns": ["Hello!", "Tell me more."]}, {"turns": ["2+2?"]},
                                                       {"turns": ["Name a fruit.", "Another?"]}, {"turns": ["Hi"]}])
     run = lambda workers, batch_size=1: evaluate.evaluate(
-        TINY, str(folder), [str(prompts), "gsm8k"], limit=3, max_new_tokens=12, device="cpu", speedup_turns=3,
-        workers=workers, batch_size=batch_size, log=lambda *_: None)
+        TINY, str(folder), [str(prompts), "gsm8k"], limit=3, decoding=evaluate.Decoding(max_new_tokens=12),
+        timing=evaluate.Timing(speedup_turns=3),
+        placement=evaluate.Placement(device="cpu", workers=workers, batch_size=batch_size), log=lambda *_: None)
     one, two, batched = run(1), run(2), run(2, batch_size=2)  # the last: each worker decodes batches of 2
     assert _without_timings(two) == _without_timings(one) == _without_timings(batched)
     assert [len(p["output_ids"]) for p in two["prompts"]] == [2, 1, 2, 1, 1, 1]
@@ -366,7 +371,7 @@ def test_workers_give_the_results_of_one_process(tiny_setup, tmp_path):
         spent = costs["turns"] * (costs["spec_first_token_s"] + costs["spec_first_cycle_s"]) + \
             costs["spec_s_per_later_cycle"] * sum(t["cycles"] - 1 for t in every)
         assert spent == pytest.approx(sum(t["spec_s"] for t in every))
-        assert "ms to its first token (prefill)" in evaluate.markdown_summary(doc)
+        assert "ms to its first token (prefill)" in results.markdown_summary(doc)
     assert two["settings"]["workers"] == 2 and two["settings"]["stop_ids"] == one["settings"]["stop_ids"]
 
 
@@ -417,8 +422,8 @@ def test_quality_run_recipe_is_a_valid_configuration():
     expands them) are recipe.QUALITY_TRAIN_ARGS, and they load as a configuration with the
     measured recipe's levers set; its default SOURCES are recipe.QUALITY_SOURCES, each a source
     `data source` knows, and SOURCES= turns them off."""
-    from dflash_train import sources
-    from dflash_train.recipe import QUALITY_SOURCES, QUALITY_TRAIN_ARGS
+    from dflash_train.app.recipe import QUALITY_SOURCES, QUALITY_TRAIN_ARGS
+    from dflash_train.data import sources
 
     script = (ROOT / "scripts" / "quality_run.sh").read_text()
     start = script.index('SOURCES="${SOURCES-')
@@ -506,7 +511,7 @@ def test_a_turns_answer_reaches_the_next_turn_as_generated(smollm2_path):
             return tokenizer.decode(ids, **kwargs)
 
     answer = tokenizer.encode("Yes , it is . Done !", add_special_tokens=False)
-    gen = specdec.Generation(output_ids=answer + [tokenizer.eos_token_id], acceptance_lengths=[len(answer)],
+    gen = Generation(output_ids=answer + [tokenizer.eos_token_id], acceptance_lengths=[len(answer)],
                              stopped=True)
     entry, messages = {"id": "r", "acceptance_lengths": [], "output_ids": []}, []
     evaluate._add_turn(entry, [], messages, Recording(), gen, None)
@@ -520,7 +525,7 @@ def test_check_lossless_script_compares_three_decoders_and_exports_its_drafter(t
     so per turn, and the random drafter it exports loads as a drafter folder."""
     import importlib.util
 
-    from dflash_train.export import load_drafter
+    from dflash_train.core.export import load_drafter
 
     spec = importlib.util.spec_from_file_location("check_lossless", ROOT / "scripts" / "check_lossless.py")
     script = importlib.util.module_from_spec(spec)

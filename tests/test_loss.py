@@ -8,9 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train import loss
-from dflash_train.loss import (_ChunkedLinearLoss, accepted_run_length, block_loss, default_gamma, dpace_weights,
-                               position_weights, tail_rows)
+from dflash_train.core import loss
+from dflash_train.core.loss import (
+    LossSettings,
+    _ChunkedLinearLoss,
+    accepted_run_length,
+    block_loss,
+    default_gamma,
+    dpace_weights,
+    position_weights,
+    tail_rows,
+)
 
 
 def _case(seed=0, N=7, B=4, H=16, V=50):
@@ -27,7 +35,7 @@ def test_loss_equals_weighted_cross_entropy_reference():
     B, gamma = 4, 2.5
     hidden, weight, labels, valid = _case(B=B)
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=5)
+    out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=gamma, chunk_rows=5))
     # Reference: explicit weights w_k = exp(-(k-1)/gamma) for k >= 1 on valid rows.
     k = torch.arange(h.shape[0]) % B
     w = torch.where(valid, torch.exp(-(k - 1).double() / gamma), torch.zeros((), dtype=torch.float64))
@@ -63,7 +71,7 @@ def test_loss_preds_and_gradient_equal_full_logits_reference(dtype):
     hidden, weight = (hidden * 0.5).to(dtype), weight.to(dtype)
     ref_loss, ref_preds, ref_grad = _reference(hidden, weight, labels, valid, B, gamma)
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=16)  # 36 rows: 16 + 16 + 4
+    out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=gamma, chunk_rows=16))  # 36 rows: 16 + 16 + 4
     out.loss_sum.backward()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.loss_sum.double(), ref_loss, **tol)
@@ -95,7 +103,7 @@ def test_compiled_chunks_equal_eager(soft):
     outs = []
     for compile in (False, True):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=12, compile=compile,  # 12 + 12 + 4
+        out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=7.0, chunk_rows=12, compile=compile),  # 12 + 12 + 4
                          target_hidden_MH=target)
         out.loss_sum.backward()
         outs.append((out, h.grad))
@@ -113,12 +121,11 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    from dflash_train import compilation
 
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
     calls = []
-    real_chunk = compilation.loss_chunk
+    real_chunk = loss.compiled_chunk
 
     def spied(soft=False, tail=False):
         fn = real_chunk(soft, tail)
@@ -128,7 +135,7 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
             return fn(h, *args)
         return call
 
-    monkeypatch.setattr(compilation, "loss_chunk", spied)
+    monkeypatch.setattr(loss, "compiled_chunk", spied)
     monkeypatch.setattr(loss, "tail_multiple", lambda device: 4)  # CUDA's padding, on CPU
     B = 4
     hidden, weight, labels, valid = _case(seed=29, N=12, B=B, H=32, V=300)  # 36 scored rows
@@ -137,10 +144,10 @@ def test_compiled_tail_chunks_share_one_graph(monkeypatch):
     for rows in (36, 33, 30, 27):  # 3 scored rows a block: no tail, then tails of 9, 6, 3 rows (12, 8, 4 padded)
         n = rows // (B - 1) * B
         h = hidden[:n].clone().requires_grad_(True)
-        comp = block_loss(h, weight, labels[:n], valid[:n], B, gamma=7.0, chunk_rows=12, compile=True)
+        comp = block_loss(h, weight, labels[:n], valid[:n], B, LossSettings(gamma=7.0, chunk_rows=12, compile=True))
         comp.loss_sum.backward()
         g = hidden[:n].clone().requires_grad_(True)
-        eager = block_loss(g, weight, labels[:n], valid[:n], B, gamma=7.0, chunk_rows=12, compile=False)
+        eager = block_loss(g, weight, labels[:n], valid[:n], B, LossSettings(gamma=7.0, chunk_rows=12, compile=False))
         eager.loss_sum.backward()
         torch.testing.assert_close(comp.loss_sum, eager.loss_sum, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(h.grad, g.grad, atol=1e-5, rtol=1e-5)
@@ -177,14 +184,14 @@ def test_a_shorter_last_chunk_is_padded_with_zero_rows(monkeypatch):
         return real(h, w, labels_C, need_grad)
 
     monkeypatch.setattr(loss, "hard_chunk_loss", spied)
-    block_loss(hidden, weight, labels, valid, B, gamma=7.0, chunk_rows=48)
+    block_loss(hidden, weight, labels, valid, B, LossSettings(gamma=7.0, chunk_rows=48))
     assert [r[0] for r in seen] == [48, 48, 24]  # CPU: the tail as it is
     seen.clear()
     monkeypatch.setattr(loss, "tail_multiple", lambda device: 16)
     outs = []
     for chunk in (48, 120):  # 48 + 48 + 24 rows (the last padded to 32), then one chunk of 120
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0, chunk_rows=chunk)
+        out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=7.0, chunk_rows=chunk))
         out.loss_sum.backward()
         outs.append((out, h.grad))
     assert [r[:2] for r in seen] == [(48, 48), (48, 48), (32, 32), (120, 120)]
@@ -211,22 +218,22 @@ def test_chunked_and_unchunked_agree(soft, weighting):
     grads, losses = [], []
     for chunk in (1, 7, 4096):
         h = hidden.clone().requires_grad_(True)
-        out = block_loss(h, weight, labels, valid, B, gamma=7.0 if weighting == "decay" else None, chunk_rows=chunk,
-                         target_hidden_MH=target, weighting=weighting)
+        out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=7.0 if weighting == "decay" else None, chunk_rows=chunk, weighting=weighting),
+                         target_hidden_MH=target)
         (out.loss() * 3.0).backward()
         losses.append(out.loss().detach())
         grads.append(h.grad)
-    for l, g in zip(losses[1:], grads[1:]):
-        torch.testing.assert_close(l, losses[0], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-6)
+    for l, g in zip(losses[1:], grads[1:]):  # float32: equal up to the summation order of the products
+        torch.testing.assert_close(l, losses[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, grads[0], atol=1e-5, rtol=1e-5)
 
 
 def test_sum_form_is_exact_across_micro_batches():
     B = 4
     hidden, weight, labels, valid = _case(seed=5, N=10, B=B)
-    whole = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
-    a = block_loss(hidden[:12], weight, labels[:12], valid[:12], B, gamma=3.0)
-    b = block_loss(hidden[12:], weight, labels[12:], valid[12:], B, gamma=3.0)
+    whole = block_loss(hidden, weight, labels, valid, B, LossSettings(gamma=3.0))
+    a = block_loss(hidden[:12], weight, labels[:12], valid[:12], B, LossSettings(gamma=3.0))
+    b = block_loss(hidden[12:], weight, labels[12:], valid[12:], B, LossSettings(gamma=3.0))
     torch.testing.assert_close((a.loss_sum + b.loss_sum) / (a.weight_sum + b.weight_sum), whole.loss())
 
 
@@ -234,8 +241,8 @@ def test_invalid_rows_and_their_labels_do_not_matter():
     B = 4
     hidden, weight, labels, valid = _case(seed=9, B=B)
     junk = torch.where(valid, labels, torch.full_like(labels, 10**6))  # out-of-vocab where invalid
-    a = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
-    b = block_loss(hidden, weight, junk, valid, B, gamma=3.0)
+    a = block_loss(hidden, weight, labels, valid, B, LossSettings(gamma=3.0))
+    b = block_loss(hidden, weight, junk, valid, B, LossSettings(gamma=3.0))
     assert torch.equal(a.loss_sum, b.loss_sum) and torch.equal(a.correct_K, b.correct_K)
 
 
@@ -261,7 +268,7 @@ def test_accuracy_and_run_statistics():
     preds = torch.tensor([9, 1, 2, 3, 9, 4, 0, 6, 9, 7, 1, 1]) % V
     hidden = F.one_hot(preds, V).float() * 10
     valid = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 0, 0], dtype=torch.bool)
-    out = block_loss(hidden, weight, labels, valid, B, gamma=3.0)
+    out = block_loss(hidden, weight, labels, valid, B, LossSettings(gamma=3.0))
     assert out.correct_K.tolist() == [3, 1, 2]
     assert out.count_K.tolist() == [3, 2, 2]
     # Runs: 3, 1, 1 (block 2's run stops where its document ends).
@@ -313,7 +320,7 @@ def test_soft_label_loss_equals_float64_reference():
     hidden, weight, labels, valid, target = _soft_case(17)
     ref_loss, ref_grad, ref_greedy, ref_w = _soft_reference(hidden, weight, target, valid, B, gamma)
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, weight, labels, valid, B, gamma=gamma, chunk_rows=16, target_hidden_MH=target)
+    out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=gamma, chunk_rows=16), target_hidden_MH=target)
     out.loss_sum.backward()
     torch.testing.assert_close(out.loss_sum.double(), ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.weight_sum.double(), ref_w, atol=1e-6, rtol=1e-6)
@@ -321,8 +328,7 @@ def test_soft_label_loss_equals_float64_reference():
     preds = (hidden @ weight.t()).argmax(-1)
     correct = ((preds == ref_greedy) & valid).view(-1, B)[:, 1:].sum(0)
     assert torch.equal(out.correct_K, correct)
-    junk = block_loss(hidden, weight, torch.randint(0, 300, labels.shape), valid, B, gamma=gamma,
-                      chunk_rows=16, target_hidden_MH=target)
+    junk = block_loss(hidden, weight, torch.randint(0, 300, labels.shape), valid, B, LossSettings(gamma=gamma, chunk_rows=16), target_hidden_MH=target)
     assert torch.equal(junk.loss_sum, out.loss_sum.detach()) and torch.equal(junk.correct_K, out.correct_K)
 
 
@@ -374,7 +380,7 @@ def test_dpace_loss_and_gradient_equal_a_loop_reference(weighting):
     ref = (w_ref * ce).sum()
     ref.backward()
     h = hidden.clone().requires_grad_(True)
-    out = block_loss(h, weight, labels, valid, B, chunk_rows=5, weighting=weighting, dpace_alpha=alpha)
+    out = block_loss(h, weight, labels, valid, B, LossSettings(chunk_rows=5, weighting=weighting, dpace_alpha=alpha))
     out.loss_sum.backward()
     torch.testing.assert_close(out.loss_sum.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
@@ -392,7 +398,7 @@ def test_dpace_with_distillation_scores_the_targets_greedy_token():
     kl = (logp.exp() * (logp - logq)).sum(-1)
     conf = logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1).exp()
     w = dpace_weights(conf.view(-1, B), valid.view(-1, B), alpha).flatten().double()
-    out = block_loss(hidden, weight, labels, valid, B, target_hidden_MH=target, weighting="dpace", dpace_alpha=alpha)
+    out = block_loss(hidden, weight, labels, valid, B, LossSettings(weighting="dpace", dpace_alpha=alpha), target_hidden_MH=target)
     torch.testing.assert_close(out.loss_sum.double(), (w * kl).sum(), atol=1e-5, rtol=1e-5)
 
 
@@ -401,7 +407,7 @@ def test_chunked_loss_backward_scales_each_rows_gradient_and_rounds_once():
     (formed chunk by chunk) times the incoming d total / d loss_m, the product formed in float32
     and rounded to bf16 once: bit for bit, whatever the chunking (one kernel over all rows, no
     float32 temporary)."""
-    from dflash_train.loss import hard_chunk_loss
+    from dflash_train.core.loss import hard_chunk_loss
 
     torch.manual_seed(0)
     M, H, V = 37, 16, 50

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.compilation import Compilation, loss_kernel
-from dflash_train.config import ConfigError, load_config, validate
+from dflash_train.core.config import ConfigError, load_config, validate
+from dflash_train.core.loss import LossSettings
+from dflash_train.train.compilation import Compilation, loss_kernel
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,8 +37,8 @@ def _chunk_case(seed: int, C: int, H: int, V: int, dtype):
 
 
 def check_chunk_against_torch_and_float64() -> None:
-    from dflash_train.loss import hard_chunk_loss
-    from dflash_train.loss_kernel import triton_hard_chunk_loss
+    from dflash_train.core.loss import hard_chunk_loss
+    from dflash_train.core.loss_kernel import triton_hard_chunk_loss
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     # V = 300 in steps of 64 columns: four whole steps and a partial one.
@@ -65,7 +66,7 @@ def check_chunk_against_torch_and_float64() -> None:
 
 
 def check_argmax_ties_take_the_first_column() -> None:
-    from dflash_train.loss_kernel import _hard_rows_kernel
+    from dflash_train.core.loss_kernel import _hard_rows_kernel
 
     V, block = 200, 64
     logits = torch.randn(4, V)
@@ -83,7 +84,7 @@ def check_argmax_ties_take_the_first_column() -> None:
 def check_softmax_covers_every_column() -> None:
     """The softmax pass (run from the last step back) writes every column exactly, whether V
     is a whole number of steps, has a partial last step, or is under one step."""
-    from dflash_train.loss_kernel import _hard_rows_kernel
+    from dflash_train.core.loss_kernel import _hard_rows_kernel
 
     block = 64
     for V in (256, 300, 50):
@@ -97,9 +98,9 @@ def check_softmax_covers_every_column() -> None:
 
 
 def check_block_loss_kernels_agree() -> None:
-    """block_loss(kernel=triton) against kernel=torch: loss, weights, statistics and the gradient
+    """block_loss(LossSettings(kernel=triton)) against kernel=torch: loss, weights, statistics and the gradient
     through the row weights (decay and D-PACE), chunks of 16 rows with a shorter last one."""
-    from dflash_train.loss import block_loss
+    from dflash_train.core.loss import block_loss
 
     B = 4
     g = torch.Generator().manual_seed(3)
@@ -114,8 +115,7 @@ def check_block_loss_kernels_agree() -> None:
         outs = []
         for kernel in ("torch", "triton"):
             h = hidden.clone().requires_grad_(True)
-            out = block_loss(h, weight, labels, valid, B, gamma=2.5, chunk_rows=16, kernel=kernel,
-                             weighting=weighting)
+            out = block_loss(h, weight, labels, valid, B, LossSettings(gamma=2.5, chunk_rows=16, kernel=kernel, weighting=weighting))
             out.loss().backward()
             outs.append((out, h.grad))
         (a, ga), (b, gb) = outs
@@ -145,10 +145,9 @@ def test_block_loss_with_the_kernel_equals_torch():
 def test_block_loss_refuses_the_kernel_for_distillation():
     h = torch.randn(8, 4)
     with pytest.raises(ValueError, match="distillation"):
-        from dflash_train.loss import block_loss
+        from dflash_train.core.loss import block_loss
 
-        block_loss(h, torch.randn(10, 4), torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool), 4,
-                   kernel="triton", target_hidden_MH=h)
+        block_loss(h, torch.randn(10, 4), torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool), 4, LossSettings(kernel="triton"), target_hidden_MH=h)
 
 
 def test_loss_kernel_setting_resolves_by_device_and_labels(monkeypatch):

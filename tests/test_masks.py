@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.masks import (
+from conftest import random_packed_row
+from dflash_train.core.masks import (
     anchor_candidates,
     anchor_count,
     build_attention_masks,
@@ -19,8 +20,6 @@ from dflash_train.masks import (
     sample_anchors,
     step_generator,
 )
-
-from conftest import random_packed_row
 
 
 def brute_force_rule(doc_lengths, T, anchors, B, window=None):

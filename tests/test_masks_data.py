@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dflash_train import data
+from dflash_train.data import chat_files, preparation
 
 
 def special_ids(tokenizer) -> set[int]:
@@ -43,7 +43,7 @@ def reference_turn(tokenizer, messages, i):
 
 
 def check_against_reference(tokenizer, messages):
-    samples = data.tokenize_samples(tokenizer, data.supervised_spans(tokenizer, messages))
+    samples = preparation.tokenize_samples(tokenizer, preparation.supervised_spans(tokenizer, messages))
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     expected_masks = [np.zeros(len(ids), dtype=np.uint8) for ids, _ in samples]
     for i in turns:
@@ -117,7 +117,7 @@ def test_smollm2_mask_by_hand(smollm2_tokenizer):
     prompt the template inserts, the headers, or the newline after <|im_end|>."""
     tokenizer = smollm2_tokenizer
     messages = [msg("user", "hi"), msg("assistant", "hello there"), msg("user", "bye"), msg("assistant", "bye!")]
-    [(ids, mask)] = data.tokenize_samples(tokenizer, data.supervised_spans(tokenizer, messages))
+    [(ids, mask)] = preparation.tokenize_samples(tokenizer, preparation.supervised_spans(tokenizer, messages))
     runs = [
         tokenizer.decode([int(ids[k]) for k, _ in group])
         for on, group in itertools.groupby(enumerate(mask), key=lambda x: x[1]) if on
@@ -131,7 +131,7 @@ def test_qwen3_keeps_reasoning_of_earlier_turn(smollm2_path):
 
     tokenizer = load_tokenizer(smollm2_path, "qwen3")
     messages = CONVERSATIONS["thinking"]
-    samples = data.tokenize_samples(tokenizer, data.supervised_spans(tokenizer, messages))
+    samples = preparation.tokenize_samples(tokenizer, preparation.supervised_spans(tokenizer, messages))
     supervised = [tokenizer.decode(ids[mask.astype(bool)]) for ids, mask in samples]
     assert supervised == [
         "<think>\nLet me see.\n</think>\n\nDone.<|im_end|>",
@@ -143,10 +143,10 @@ def test_qwen3_keeps_reasoning_of_earlier_turn(smollm2_path):
 
 def test_bundled_sharegpt_conversations(smollm2_tokenizer):
     """The first real ShareGPT conversations, through the reader, against the reference."""
-    from dflash_train.assets import sharegpt_json
+    from dflash_train.core.assets import sharegpt_json
 
-    records = [r for r in itertools.islice(data.iter_records([sharegpt_json()]), 40)
-               if isinstance(r, data.Record)]
+    records = [r for r in itertools.islice(chat_files.iter_records([sharegpt_json()]), 40)
+               if isinstance(r, chat_files.Record)]
     assert len(records) > 30
     for record in records[:30]:
         check_against_reference(smollm2_tokenizer, record.messages)
@@ -162,4 +162,4 @@ def test_template_without_prompt_prefix_is_an_error(smollm2_path):
         "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>bot\\n' }}{%- endif %}"
     )
     with pytest.raises(ValueError, match="generation prompt"):
-        data.supervised_spans(tokenizer, CONVERSATIONS["single"])
+        preparation.supervised_spans(tokenizer, CONVERSATIONS["single"])

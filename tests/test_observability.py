@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import cli, metrics, plot
-from dflash_train.config import load_config
-
 from conftest import ROOT, subprocess_env
+from dflash_train.app import cli
+from dflash_train.core.config import load_config
+from dflash_train.train import metrics, plot
 
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def train_cmd(out: Path, prompts: Path, max_steps: int) -> list[str]:
     """The tiny config with the progress bar asked for, W&B on, and an evaluation every 2 steps."""
-    return [sys.executable, "-m", "dflash_train.cli", "train", "--config", str(TINY), "--output-dir", str(out),
+    return [sys.executable, "-m", "dflash_train", "train", "--config", str(TINY), "--output-dir", str(out),
             f"train.max_steps={max_steps}", "log.progress=true", "log.wandb=true", "checkpoint.every=2",
             "eval.every=2", f"eval.prompts={prompts}", "eval.max_new_tokens=8"]
 
@@ -198,7 +198,7 @@ def test_plots_show_walked_tau_when_the_records_have_it(tmp_path):
 def test_wandb_without_the_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from dflash_train.config import ConfigError
+    from dflash_train.core.config import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

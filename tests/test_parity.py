@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train import step as step_module
-from dflash_train.batching import Batch
-from dflash_train.config import load_config
-from dflash_train.specdec import DFlashProposer, speculative_generate
+from dflash_train.core.config import load_config
+from dflash_train.data.batching import Batch
+from dflash_train.engine.decoder import speculative_generate
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.train import step as step_module
 
 PROMPT_LEN, MAX_NEW = 19, 40
 
@@ -52,8 +53,8 @@ def _run(tmp_path):
     from datasets import Dataset
     from transformers import AutoConfig
 
-    from dflash_train.target import load_target, resolve_target_path
-    from dflash_train.train import build
+    from dflash_train.core.target import load_target, resolve_target_path
+    from dflash_train.train.loop import build
 
     cfg = load_config("configs/tiny.yaml", [f"output_dir={tmp_path}", "objective.noise=none",
                                             "train.device=cpu", "drafter.mask_token_id=16"])
@@ -82,7 +83,7 @@ def test_training_forward_computes_what_serving_proposed(tmp_path, monkeypatch, 
     drafter, so all logits tie at 0, every proposal (token 0) is accepted and each cycle's
     context grows by B positions at once (the features of several committed positions)."""
     torch.manual_seed(0)
-    from dflash_train.target import load_target_model
+    from dflash_train.core.target import load_target_model
 
     run = _run(tmp_path)
     drafter = run.step.drafter
@@ -132,7 +133,7 @@ def test_parity_check_catches_context_visible_at_the_anchor(tmp_path, monkeypatc
     """The check above can fail: with the mask rule loosened to let a block see the target's
     feature at its own anchor (a train/serve mismatch users of other trainers hit), the training
     forward no longer computes what serving proposed."""
-    from dflash_train import masks
+    from dflash_train.core import masks
 
     rule = masks.block_mask_mod
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import SimulatedGraphs
-from dflash_train.batching import Batch
-from dflash_train.masks import DOC_ALIGN, sample_anchors, step_generator
-from dflash_train.produce import FeatureNoise, Producer, add_feature_noise, context_features, pack
+from dflash_train.core.masks import DOC_ALIGN, sample_anchors, step_generator
+from dflash_train.data.batching import Batch
+from dflash_train.train.produce import FeatureNoise, Packing, Producer, add_feature_noise, context_features, pack
 
 
 def test_feature_noise():
@@ -110,7 +110,7 @@ def test_a_row_aligned_or_back_to_back_gives_the_drafter_the_same_blocks():
     anchor, block label, loss position and rope position, and the drafter's output at every
     block row (dense masks of the mask rule, every anchor the rule allows)."""
     from conftest import tiny_drafter
-    from dflash_train.masks import build_attention_masks, build_layout
+    from dflash_train.core.masks import build_attention_masks, build_layout
 
     gen = torch.Generator().manual_seed(5)
     lengths, L = [17, 9, 30, 4, 23], 30
@@ -197,7 +197,7 @@ def test_transport_carries_the_targets_final_state(monkeypatch, split):
     count is unknown)."""
     import torch.distributed
 
-    from dflash_train.transport import Receiver, Sender
+    from dflash_train.train.transport import Receiver, Sender
 
     p2p = _FakeP2P()
     monkeypatch.setattr(torch.distributed, "isend", p2p.isend)
@@ -249,17 +249,17 @@ def test_producer_ships_the_anchor_count_sample_anchors_draws():
             pass
 
     target = Target()
-    kw = dict(device=torch.device("cpu"), noise=None, split_fc=False, pad_to=40, micro_per_step=1,
-              faults=Faults(), timer=Timer(), log=lambda msg: None)
+    kw = dict(noise=None, faults=Faults(), timer=Timer(), log=lambda msg: None)
+    cpu = torch.device("cpu")
     for k, pad_to in ((1, 40), (2, 40), (8, 40), (2, 4 * DOC_ALIGN), (8, 4 * DOC_ALIGN)):
-        s = Producer(target, None, num_anchors=k, **{**kw, "pad_to": pad_to}).produce(4, batch)
+        s = Producer(target, None, Packing(cpu, pad_to, num_anchors=k), **kw).produce(4, batch)
         assert s.doc_align == (1 if pad_to == 40 else DOC_ALIGN)
         _, n = sample_anchors(s.loss_mask_T, s.doc_lengths, k, step_generator(0, 4), return_count=True,
                               align=s.doc_align)
         assert s.anchor_count == n > 0
-    assert Producer(target, None, **kw).produce(4, batch).anchor_count is None
+    assert Producer(target, None, Packing(cpu, 40), **kw).produce(4, batch).anchor_count is None
     target.fail = True
-    assert Producer(target, None, num_anchors=2, **kw).produce(4, batch).anchor_count is None
+    assert Producer(target, None, Packing(cpu, 40, num_anchors=2), **kw).produce(4, batch).anchor_count is None
 
 
 def test_capture_runs_causal_attention_without_the_packed_sequence_check(monkeypatch):
@@ -271,8 +271,8 @@ def test_capture_runs_causal_attention_without_the_packed_sequence_check(monkeyp
     from transformers import AutoModelForCausalLM, MistralConfig
 
     from conftest import tiny_target_config
-    from dflash_train.engine_attention import CAUSAL_ATTENTION
-    from dflash_train.target import Target
+    from dflash_train.core.attention import CAUSAL_ATTENTION
+    from dflash_train.core.target import Target
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_target_config(), attn_implementation="sdpa").eval()
@@ -307,10 +307,10 @@ class _OutsidePoolGraphs(SimulatedGraphs):
 
 
 def _graphed(monkeypatch, target, log=None):
-    from dflash_train import decode
-    from dflash_train.target import GraphedTarget
+    from dflash_train.train import graphed_target
+    from dflash_train.train.graphed_target import GraphedTarget
 
-    monkeypatch.setattr(decode, "Graphs", _OutsidePoolGraphs)
+    monkeypatch.setattr(graphed_target, "Graphs", _OutsidePoolGraphs)
     return GraphedTarget(target, torch.device("cpu"), (log if log is not None else []).append)
 
 
@@ -324,7 +324,7 @@ def test_graphed_target_returns_the_eager_forward(monkeypatch, labels):
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_target_config
-    from dflash_train.target import Target
+    from dflash_train.core.target import Target
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_target_config(), attn_implementation="sdpa").eval()
@@ -388,9 +388,9 @@ def test_graphed_target_stops_the_warm_up_when_a_capture_fails(monkeypatch):
     """A capture that fails although the forward passed the check stops the warm-up with an
     error that names the shape and the switch (the process's CUDA state cannot be trusted after
     a failed capture, so there is no quiet fallback)."""
-    from dflash_train import decode
-    from dflash_train.errors import InputError
-    from dflash_train.target import GraphedTarget
+    from dflash_train.core.errors import InputError
+    from dflash_train.train import graphed_target
+    from dflash_train.train.graphed_target import GraphedTarget
 
     class Target:
         def capture(self, ids, concat=True):
@@ -402,7 +402,7 @@ def test_graphed_target_stops_the_warm_up_when_a_capture_fails(monkeypatch):
                 raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
             return super()._record(fn, static)
 
-    monkeypatch.setattr(decode, "Graphs", Failing)
+    monkeypatch.setattr(graphed_target, "Graphs", Failing)
     graphed = GraphedTarget(Target(), torch.device("cpu"))
     with pytest.raises(InputError, match=r"shape \(2, 8\).*operation not permitted when stream is capturing\); "
                                          r"set target.cuda_graphs=false"):
@@ -425,10 +425,10 @@ def test_producer_warm_up_prepares_a_graphed_target_for_its_capture(split_fc):
         def prepare(self, shapes, concat=True):
             seen.append(("prepare", list(shapes), concat))
 
-    kw = dict(device=torch.device("cpu"), noise=None, split_fc=split_fc, pad_to=8, micro_per_step=1,
-              faults=None, timer=None, log=print)
-    Producer(Graphed(), None, **kw).warm_up([(4, 16), (2, 32)])
+    kw = dict(noise=None, faults=None, timer=None, log=print)
+    packing = Packing(torch.device("cpu"), 8, split_fc=split_fc)
+    Producer(Graphed(), None, packing, **kw).warm_up([(4, 16), (2, 32)])
     assert seen == [("prepare", [(4, 16), (2, 32)], not split_fc)]
     seen.clear()
-    Producer(Plain(), None, **kw).warm_up([(4, 16), (2, 32)])
+    Producer(Plain(), None, packing, **kw).warm_up([(4, 16), (2, 32)])
     assert seen == [("capture", (4, 16), not split_fc), ("capture", (2, 32), not split_fc)]

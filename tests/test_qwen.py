@@ -11,21 +11,22 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from test_masks_data import CONVERSATIONS, check_against_reference
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import ROOT
-from dflash_train import cli
-from dflash_train.config import QWEN_CODER_TARGET
-from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
-from dflash_train.evaluate import prompt_ids
-from dflash_train.specdec import DFlashProposer, speculative_generate, stop_token_ids, target_generate
-
-from test_masks_data import CONVERSATIONS, check_against_reference
+from dflash_train.app import cli
+from dflash_train.core.config import QWEN_CODER_TARGET
+from dflash_train.core.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+from dflash_train.engine.decoder import speculative_generate, target_generate
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.engine.sampling import stop_token_ids
+from dflash_train.eval.prompts import prompt_ids
 
 
 @pytest.fixture(scope="module")
 def qwen_path():
-    from dflash_train.assets import qwen2_5_coder_dir
+    from dflash_train.core.assets import qwen2_5_coder_dir
 
     return qwen2_5_coder_dir()
 
@@ -125,14 +126,15 @@ def test_training_on_the_real_target_freezes_the_tied_head_and_exports_without_i
 def test_regeneration_on_the_real_target_is_its_greedy_reply(tmp_path, qwen):
     """One chat regenerated through the engine: the reply is the target's own greedy answer
     to the template-rendered prompt (default system prompt included), decoded without <|im_end|>."""
-    from dflash_train import regenerate
+    from dflash_train.data import regenerate
 
     model, tokenizer = qwen
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"conversations": [{"from": "human", "value": "Name a sorting algorithm."},
                                                  {"from": "gpt", "value": "old"}]}) + "\n")
-    regenerate.regenerate([src], QWEN_CODER_TARGET, tmp_path / "out.jsonl", max_new_tokens=8, batch_size=2,
-                          device="cpu", model=model, tokenizer=tokenizer, log=lambda *_: None)
+    options = regenerate.RegenerationOptions(max_new_tokens=8, batch_size=2, device="cpu")
+    regenerate.regenerate([src], QWEN_CODER_TARGET, tmp_path / "out.jsonl", options, model=model, tokenizer=tokenizer,
+                          log=lambda *_: None)
     reply = json.loads((tmp_path / "out.jsonl").read_text())["conversations"][1]["value"]
     prompt = prompt_ids(tokenizer, [{"role": "user", "content": "Name a sorting algorithm."}])
     greedy = target_generate(model, prompt, 8, stop_ids=stop_token_ids(tokenizer, model.generation_config))
@@ -161,8 +163,8 @@ def test_tiny_random_qwen2_with_tied_embeddings_is_lossless():
 
 
 def test_a_missing_part_is_named_with_its_install_command(tmp_path, monkeypatch, capsys):
-    from dflash_train import assets
-    from dflash_train.errors import MissingPath
+    from dflash_train.core import assets
+    from dflash_train.core.errors import MissingPath
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))  # not converted yet: the parts are looked for
     real = assets.package_file

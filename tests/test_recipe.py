@@ -9,17 +9,17 @@ import json
 
 import pytest
 
-from dflash_train import cli, recipe
-from dflash_train.recipe import GpuDefault
+from dflash_train.app import cli, commands, recipe
+from dflash_train.app.recipe import GpuDefault
 
 TINY = "bundled:tiny-random-llama"
 
 
 def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch, capsys, tmp_path):
     plans, configs = [], []
-    monkeypatch.setattr(cli, "gpu_default_applies", lambda: True)
+    monkeypatch.setattr(commands, "gpu_default_applies", lambda: True)
     monkeypatch.setattr(recipe, "run_gpu_default", lambda plan: plans.append(plan) or 0)
-    monkeypatch.setattr("dflash_train.train.train", lambda cfg: configs.append(cfg))
+    monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: configs.append(cfg))
     assert cli.main(["train"]) == 0
     assert plans == [GpuDefault()] and configs == []
     first = capsys.readouterr().out.splitlines()[0]
@@ -30,7 +30,7 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
     # Any override or config is a run of the user's own: the recipe does not replace it.
     assert cli.main(["train", "train.device=cpu", "train.max_steps=3"]) == 0
     assert len(plans) == 2 and configs[-1].train.max_steps == 3 and configs[-1].drafter.num_layers == 1
-    monkeypatch.setattr(cli, "gpu_default_applies", lambda: False)
+    monkeypatch.setattr(commands, "gpu_default_applies", lambda: False)
     assert cli.main(["train"]) == 0
     assert len(plans) == 2 and len(configs) == 2
     assert "a smoke-sized run" in capsys.readouterr().out.splitlines()[-1]
@@ -39,12 +39,12 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
 def test_gpu_default_applies_only_to_one_process_with_a_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert cli.gpu_default_applies()
+    assert commands.gpu_default_applies()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not cli.gpu_default_applies()
+    assert not commands.gpu_default_applies()
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.delenv("WORLD_SIZE")
-    assert not cli.gpu_default_applies()
+    assert not commands.gpu_default_applies()
 
 
 def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_path):
@@ -76,8 +76,8 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
 def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():
     from transformers import AutoConfig
 
-    from dflash_train.errors import InputError
-    from dflash_train.target import resolve_target_path
+    from dflash_train.core.errors import InputError
+    from dflash_train.core.target import resolve_target_path
 
     recipe.check_gpu_memory(141 * 2**30)  # an H200
     with pytest.raises(InputError) as err:

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from dflash_train import cli, data, regenerate
+from dflash_train.app import cli
+from dflash_train.data import chat_files, regenerate
 
 SHAREGPT = [
     {"id": f"r{i}", "conversations": [
@@ -45,9 +46,10 @@ def write_jsonl(path, records):
     return path
 
 
-def run(paths, target, out, **kwargs):
-    settings = {"max_new_tokens": 6, "batch_size": 3, "device": "cpu", "log": lambda *_: None}
-    return regenerate.regenerate(paths, target, out, **{**settings, **kwargs})
+def run(paths, target, out, log=lambda *_: None, tokenizer=None, **options):
+    settings = {"max_new_tokens": 6, "batch_size": 3, "device": "cpu"}
+    return regenerate.regenerate(paths, target, out, regenerate.RegenerationOptions(**{**settings, **options}),
+                                 log=log, tokenizer=tokenizer)
 
 
 def greedy_turn(model, tokenizer, messages, max_new_tokens=6):
@@ -122,7 +124,7 @@ def test_resume_after_interruption_equals_one_run(tmp_path, tiny_target):
 def test_output_from_other_input_is_refused(tmp_path, tiny_target):
     out = write_jsonl(tmp_path / "out.jsonl", [SHAREGPT[5]])
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)
-    with pytest.raises(data.DataError, match="does not match input record"):
+    with pytest.raises(chat_files.DataError, match="does not match input record"):
         run([src], tiny_target, out)
 
 
@@ -227,7 +229,7 @@ def test_resume_after_a_kill_mid_file(tmp_path, tiny_target):
     whole = tmp_path / "whole.jsonl"
     run([src], tiny_target, whole, batch_size=2)
     out = tmp_path / "killed.jsonl"
-    argv = [sys.executable, "-m", "dflash_train.cli", "data", "regenerate", "--data", str(src), "--target",
+    argv = [sys.executable, "-m", "dflash_train", "data", "regenerate", "--data", str(src), "--target",
             str(tiny_target), "--out", str(out), "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -318,10 +320,10 @@ def test_an_ahead_file_from_other_input_or_damaged_is_refused(tmp_path, tiny_tar
     assert ahead.name == "out.jsonl.ahead"
     other = {"id": "z", "conversations": [{"from": "human", "value": "something else"}, {"from": "gpt", "value": "y"}]}
     ahead.write_text(json.dumps({"position": 1, "line": json.dumps(other)}) + "\n")
-    with pytest.raises(data.DataError, match=r"out\.jsonl\.ahead:1 \(record 2\) does not match input record .*in\.jsonl:2"):
+    with pytest.raises(chat_files.DataError, match=r"out\.jsonl\.ahead:1 \(record 2\) does not match input record .*in\.jsonl:2"):
         run([src], tiny_target, out)
     ahead.write_text('{"position": 1, "li\n')
-    with pytest.raises(data.DataError, match=r"out\.jsonl\.ahead:1: not a kept record .* delete"):
+    with pytest.raises(chat_files.DataError, match=r"out\.jsonl\.ahead:1: not a kept record .* delete"):
         run([src], tiny_target, out)
     assert not out.exists() or out.read_text() == ""
 
@@ -349,11 +351,11 @@ def test_turns_that_end_in_a_loop_are_counted(smollm2_tokenizer):
             self.asked = []
             return out
 
-    records = [data.parse_record({"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "x"}]},
+    records = [chat_files.parse_record({"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "x"}]},
                                  "in.jsonl", i + 1) for i in range(3)]
     stats = {**dict.fromkeys(regenerate.CHUNK_STATS, 0), **dict.fromkeys(regenerate.HOST_STATS, 0.0)}
-    lines = list(regenerate.regenerate_stream(Scripted(), smollm2_tokenizer, records, 0, {"max_prompt_length": 100, "seed": 0},
-                                              stats))
+    lines = list(regenerate.regenerate_stream(Scripted(), smollm2_tokenizer, records, 0,
+                                              regenerate.RegenerationOptions(max_prompt_length=100, seed=0), stats))
     assert len(lines) == 3 and stats["num_turns"] == 3
     assert (stats["num_unfinished"], stats["num_looping"]) == (2, 1)
     assert [json.loads(line)["conversations"][1].get("unfinished", False) for line in lines] == [True, False, True]
@@ -365,7 +367,8 @@ def test_rows_are_capped_by_the_turns_and_caches_that_do_not_fit_are_refused(tmp
     and the largest batch size that fits, before anything is written."""
     from transformers import AutoConfig
 
-    from dflash_train import decode
+    from dflash_train.data import responders
+    from dflash_train.engine import decode
 
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:2])  # 4 assistant turns
     summary = run([src], tiny_target, tmp_path / "small.jsonl", batch_size=1024)
@@ -377,10 +380,10 @@ def test_rows_are_capped_by_the_turns_and_caches_that_do_not_fit_are_refused(tmp
     per_row = 2 * 2 * 2 * 16 * (1024 + 6 + 2) * 4  # keys and values, layers, heads, head size, positions, fp32
     assert decode.kv_bytes_per_row(config, 1024 + 6 + 2, torch.float32) == per_row
     assert decode.free_memory_bytes(torch.device("cpu")) > 0
-    monkeypatch.setattr(decode, "free_memory_bytes", lambda device: int(300.5 * per_row / 0.9))
+    monkeypatch.setattr(responders, "free_memory_bytes", lambda device: int(300.5 * per_row / 0.9))
     many = write_jsonl(tmp_path / "many.jsonl", SHAREGPT * 40)  # 720 turns
     out = tmp_path / "refused.jsonl"
-    with pytest.raises(data.DataError) as err:
+    with pytest.raises(chat_files.DataError) as err:
         run([many], tiny_target, out, batch_size=512, max_prompt_length=1024)
     message = str(err.value)
     assert message.startswith("--batch-size 512: the decoding engine's key/value caches for 512 rows of 1,032 "
@@ -395,7 +398,7 @@ def test_prompt_ids_take_over_the_last_prompts_ids_and_equal_whole_tokenization(
     new text's, equal tokenizing the whole rendered prompt, on real multi-turn ShareGPT chats
     answered with their own replies, for the ChatML, Llama 3 and Qwen3 templates (Qwen3
     rewrites earlier turns); the guard is off here so that a difference would show."""
-    from dflash_train.assets import sharegpt_json
+    from dflash_train.core.assets import sharegpt_json
 
     name, tokenizer = any_tokenizer
     made = []
@@ -407,8 +410,8 @@ def test_prompt_ids_take_over_the_last_prompts_ids_and_equal_whole_tokenization(
     monkeypatch.setattr(regenerate, "PromptIds", Unguarded)
 
     records = []
-    for record in data.iter_records([sharegpt_json()]):
-        if not isinstance(record, data.Skip) and sum(m["role"] == "assistant" for m in record.messages) >= 3:
+    for record in chat_files.iter_records([sharegpt_json()]):
+        if not isinstance(record, chat_files.Skip) and sum(m["role"] == "assistant" for m in record.messages) >= 3:
             records.append(record)
         if len(records) == 40:
             break
@@ -436,7 +439,7 @@ def test_prompt_ids_take_over_the_last_prompts_ids_and_equal_whole_tokenization(
     responder = Replay()
     stats = {**dict.fromkeys(regenerate.CHUNK_STATS, 0), **dict.fromkeys(regenerate.HOST_STATS, 0.0)}
     lines = list(regenerate.regenerate_stream(responder, tokenizer, records, 0,
-                                              {"max_prompt_length": 100_000, "seed": 0}, stats))
+                                              regenerate.RegenerationOptions(max_prompt_length=100_000, seed=0), stats))
     assert len(lines) == len(records) and len(responder.prompts) > 2 * len(records)
     whole = tokenizer([text for text, _ in responder.prompts], add_special_tokens=False)["input_ids"]
     assert [ids for _, ids in responder.prompts] == whole

@@ -16,17 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch
-
-from dflash_train import checkpoint as ckpt
-from dflash_train import cli
-from dflash_train.config import ConfigError, load_config
-from dflash_train.step import DrafterStep
-from dflash_train.train import build, train_drafter
 
 from conftest import ROOT, TINY, losses
+from dflash_train.app import cli
+from dflash_train.core.config import ConfigError, load_config
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.loop import build, train_drafter
+from dflash_train.train.step import DrafterStep
 
 STEPS = 20
 
@@ -48,7 +47,7 @@ def train_args(out: Path, *overrides: str) -> list[str]:
 
 
 def train_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_train.cli", *train_args(out, *overrides)]
+    return [sys.executable, "-m", "dflash_train", *train_args(out, *overrides)]
 
 
 def newest_step(out: Path) -> int:
@@ -97,7 +96,7 @@ def test_faults_are_set_like_any_config_and_off_by_default():
 
 
 def test_delay_fault_sleeps_after_the_step(tmp_path, monkeypatch):
-    import dflash_train.faults as faults_module
+    import dflash_train.train.faults as faults_module
 
     slept = []
 
@@ -125,7 +124,7 @@ def test_a_resumed_run_warms_up_its_target_too(tmp_path, monkeypatch):
     """train_drafter warms the target up (on a GPU: compiled shapes and the target's CUDA graphs)
     whether it starts fresh or resumes from a checkpoint; a resumed run without it would train
     without its graphs."""
-    from dflash_train import train as train_module
+    from dflash_train.train import loop as train_module
 
     warmed = []
     real = train_module.warm_up
@@ -192,7 +191,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
 def test_every_torch_load_is_weights_only_and_nothing_is_unpickled():
     package = ROOT / "dflash_train"
     calls = 0
-    for source in sorted(package.glob("*.py")):
+    for source in sorted(package.rglob("*.py")):
         tree = ast.parse(source.read_text())
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
@@ -417,8 +416,8 @@ FUZZ_RECORDS = 10_000
 
 @pytest.mark.slow
 def test_ten_thousand_fuzzed_records_prepare_and_train(tmp_path):
-    from dflash_train import data
-    from dflash_train.target import resolve_target_path
+    from dflash_train.core.target import resolve_target_path
+    from dflash_train.data import chat_files, preparation
 
     lines: list[bytes] = []
 
@@ -427,9 +426,9 @@ def test_ten_thousand_fuzzed_records_prepare_and_train(tmp_path):
     @given(st.lists(_LINE, min_size=20, max_size=20))
     def parse_without_crashing(batch):
         batch = [line.replace(b"\n", b" ") for line in batch]
-        for item, _ in data._iter_json_lines("fuzz", b"\n".join(batch)):
-            if not isinstance(item, data.Skip):
-                data.parse_record(item, "fuzz", 0)
+        for item, _ in chat_files._iter_json_lines("fuzz", b"\n".join(batch)):
+            if not isinstance(item, chat_files.Skip):
+                chat_files.parse_record(item, "fuzz", 0)
         lines.extend(batch)
 
     parse_without_crashing()
@@ -437,7 +436,7 @@ def test_ten_thousand_fuzzed_records_prepare_and_train(tmp_path):
     lines = lines[:FUZZ_RECORDS]
     source = tmp_path / "fuzz.jsonl"
     source.write_bytes(b"\n".join(lines) + b"\n")
-    prepared = data.prepare([source], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
+    prepared = preparation.prepare([source], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
                             max_length=256, log=lambda *_: None)
     report = prepared.report
     assert report["num_records"] == sum(1 for line in lines if line.strip())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -13,10 +14,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_regenerate import OPENAI, SHAREGPT, tiny_target, write_jsonl  # noqa: F401 - a fixture
 
 from conftest import subprocess_env
-from dflash_train import cli, regenerate, serving
-from test_regenerate import OPENAI, SHAREGPT, tiny_target, write_jsonl  # noqa: F401 - a fixture
+from dflash_train.app import cli
+from dflash_train.data import regenerate, serving
 
 SERVER_START_S = 180  # a busy 2-core machine imports torch + transformers + fastapi slowly
 RECORDS = SHAREGPT[:5] + OPENAI[:2]  # 12 turns, two conversations of two turns, two formats
@@ -125,8 +127,8 @@ def local_output(tiny_target, tmp_path_factory):
     """Local greedy regeneration of RECORDS (fp32, CPU): what every server run must write."""
     folder = tmp_path_factory.mktemp("local")
     src = write_jsonl(folder / "in.jsonl", RECORDS)
-    summary = regenerate.regenerate([src], tiny_target, folder / "out.jsonl", max_new_tokens=6, batch_size=1,
-                                    device="cpu", log=lambda *_: None)
+    options = regenerate.RegenerationOptions(max_new_tokens=6, batch_size=1, device="cpu")
+    summary = regenerate.regenerate([src], tiny_target, folder / "out.jsonl", options, log=lambda *_: None)
     return src, (folder / "out.jsonl").read_text(), summary
 
 
@@ -197,15 +199,13 @@ def test_requests_spread_seeded_per_turn(tmp_path, tiny_target, stub):
     one run; finish_reason "length" counts as unfinished; the prompt is the rendered template."""
     from transformers import AutoTokenizer
 
-    from dflash_train.data import render
+    from dflash_train.data.preparation import render
 
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT[:5])
-    options = {"concurrency": 4, "retries": 0}
-    servers = [stub + "/a", stub + "/b/v1"]
-    settings = {"max_new_tokens": 6, "batch_size": 2, "temperature": 1.0, "top_p": 0.9, "seed": 7,
-                "log": lambda *_: None, "servers": servers, "server_options": options}
+    servers = serving.ServingOptions((stub + "/a", stub + "/b/v1"), concurrency=4, retries=0)
+    options = regenerate.RegenerationOptions(max_new_tokens=6, batch_size=2, temperature=1.0, top_p=0.9, seed=7)
     Stub.requests.clear()
-    whole = regenerate.regenerate([src], tiny_target, tmp_path / "whole.jsonl", **settings)
+    whole = regenerate.regenerate([src], tiny_target, tmp_path / "whole.jsonl", options, servers, log=lambda *_: None)
     sent = [(path, body) for path, body in Stub.requests if path.endswith("/completions")]
     assert {path for path, _ in sent} == {"/a/v1/completions", "/b/v1/completions"}
     sent = [body for _, body in sent if body["prompt"] != serving.PROBE_PROMPT]
@@ -221,14 +221,15 @@ def test_requests_spread_seeded_per_turn(tmp_path, tiny_target, stub):
     assert render(tokenizer, first, generation_prompt=True) in [body["prompt"] for body in sent]
 
     resumed = tmp_path / "resumed.jsonl"
-    regenerate.regenerate([src], tiny_target, resumed, **settings, limit=1)  # stops inside the first chunk
-    regenerate.regenerate([src], tiny_target, resumed, **settings)
+    regenerate.regenerate([src], tiny_target, resumed, dataclasses.replace(options, limit=1), servers,
+                          log=lambda *_: None)  # stops inside the first chunk
+    regenerate.regenerate([src], tiny_target, resumed, options, servers, log=lambda *_: None)
     assert resumed.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
 def test_prompt_text_leaves_the_bos_to_the_server(smollm2_path):
     from conftest import load_tokenizer
-    from dflash_train.data import render
+    from dflash_train.data.preparation import render
 
     messages = [{"role": "user", "content": "hi"}]
     plain = load_tokenizer(smollm2_path)

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from dflash_train import cli, data, sources
+from dflash_train.app import cli
+from dflash_train.data import chat_files, sources
 
 LIBRARY = {
     "shapes.py": '''
@@ -110,8 +111,8 @@ def test_python_function_records_are_chat_records(library, tmp_path):
     assert reply.startswith("```python\ndef perimeter(self):") and "return sides * self.side" in reply
     path = tmp_path / "code.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    read = list(data.iter_records([path]))
-    assert all(isinstance(r, data.Record) for r in read)
+    read = list(chat_files.iter_records([path]))
+    assert all(isinstance(r, chat_files.Record) for r in read)
     assert [[m["role"] for m in r.messages] for r in read] == [["user", "assistant"]] * 4
 
 
@@ -159,19 +160,19 @@ def test_data_source_writes_what_regeneration_takes(tmp_path):
     assert first["id"] == "word-problems/2/0" and first["source"] == "word-problems"
     question, solution, _ = sources.word_problem(2, 0)
     assert first["conversations"] == [{"from": "human", "value": question}, {"from": "gpt", "value": solution}]
-    assert all(isinstance(r, data.Record) for r in data.iter_records([out]))
+    assert all(isinstance(r, chat_files.Record) for r in chat_files.iter_records([out]))
 
 
 def test_regeneration_answers_source_records(tmp_path, library):
     """The records go through `data regenerate` like any chat file: the reference reply is
     replaced by the target's, id and source are kept."""
-    from dflash_train import regenerate
+    from dflash_train.data import regenerate
 
     path = tmp_path / "code.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in sources.python_function_records(root=library)))
     out = tmp_path / "regen.jsonl"
-    regenerate.regenerate([path], "bundled:tiny-random-llama", out, max_new_tokens=4, batch_size=2, device="cpu",
-                          temperature=5.0, log=lambda *_: None)
+    options = regenerate.RegenerationOptions(max_new_tokens=4, batch_size=2, device="cpu", temperature=5.0)
+    regenerate.regenerate([path], "bundled:tiny-random-llama", out, options, log=lambda *_: None)
     before = [json.loads(line) for line in path.read_text().splitlines()]
     after = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["source"]) for r in after] == [(r["id"], r["source"]) for r in before]

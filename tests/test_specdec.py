@@ -10,11 +10,17 @@ import torch
 from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import tiny_drafter, tiny_target_config
-from dflash_train import specdec
-from dflash_train.target import LayerTaps
-from dflash_train.specdec import (DFlashProposer, acceptance_histogram, choose_tokens,
-                                  mean_acceptance, speculative_generate, speculative_generate_batch,
-                                  target_generate, target_generate_batch, turn_mean_tau)
+from dflash_train.core.target import LayerTaps
+from dflash_train.engine.acceptance import acceptance_histogram, mean_acceptance, turn_mean_tau
+from dflash_train.engine.decoder import (
+    Decoder,
+    speculative_generate,
+    speculative_generate_batch,
+    target_generate,
+    target_generate_batch,
+)
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.engine.sampling import choose_tokens, stop_token_ids
 
 VOCAB = 128  # tiny_target_config; the tiny drafter's mask token is 127
 
@@ -179,8 +185,8 @@ def test_mask_token_ids_in_the_output_are_kept(tiny_target):
 def test_real_smollm2_greedy_is_lossless(smollm2_path, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
-    from dflash_train.evaluate import prompt_ids
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.eval.prompts import prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -284,7 +290,7 @@ def test_acceptance_statistics():
 
 
 def test_stop_token_ids_include_end_of_turn(smollm2_tokenizer):
-    ids = specdec.stop_token_ids(smollm2_tokenizer)
+    ids = stop_token_ids(smollm2_tokenizer)
     assert smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     assert smollm2_tokenizer.eos_token_id in ids
 
@@ -371,7 +377,7 @@ def test_the_fused_cycle_writes_the_prompt_context_ahead_and_proposes_the_same(t
         assert (one.output_ids, one.acceptance_lengths) == (g.output_ids, g.acceptance_lengths)
     # A random drafter is (almost) never accepted: compare the first block's proposals and the
     # drafter's cache themselves, from the same prefill, against one step on the whole prompt.
-    engine = specdec.Decoder(tiny_target, fused, rows=len(prompts), capacity=64)
+    engine = Decoder(tiny_target, fused, rows=len(prompts), capacity=64)
     rows = [torch.tensor(p) for p in prompts]
     anchor_R = torch.tensor([len(p) for p in prompts])
     token_R, context_RTF = engine.target.prefill(torch.arange(len(rows)), rows, torch.zeros(len(rows), dtype=torch.long))
@@ -448,7 +454,7 @@ def greedy_without_cache(model, prompt, new: int) -> list[int]:
 def test_batched_sliding_window_target_is_lossless():
     """A target mixing sliding-window and full layers (Qwen3 layout), prompts longer than the
     window: batched decoding gives the cache-free greedy output row by row."""
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 
     torch.manual_seed(2)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -468,8 +474,8 @@ def test_batched_sliding_window_target_is_lossless():
 def test_real_smollm2_batched_greedy_is_lossless(smollm2_path, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
-    from dflash_train.evaluate import prompt_ids
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.eval.prompts import prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -477,7 +483,7 @@ def test_real_smollm2_batched_greedy_is_lossless(smollm2_path, smollm2_tokenizer
                                                  mask_token_id=len(smollm2_tokenizer) - 1)).eval()
     prompts = [prompt_ids(smollm2_tokenizer, [{"role": "user", "content": text}])
                for text in ("What is the capital of France?", "Hi", "Name three prime numbers and explain why.")]
-    new, stop = 12, specdec.stop_token_ids(smollm2_tokenizer)
+    new, stop = 12, stop_token_ids(smollm2_tokenizer)
     refs = [target_generate(model, p, new, stop_ids=stop).output_ids for p in prompts]
     mixed = MixedProposer(DFlashProposer.for_target(drafter, model), [p + r for p, r in zip(prompts, refs)], [0, 1, 2, 3])
     batched = speculative_generate_batch(model, prompts, mixed, new, stop_ids=stop)
@@ -490,7 +496,7 @@ def test_batch_one_decoding_of_a_sliding_window_target_is_lossless():
     layers (prompts longer than the window) give the cache-free greedy output (both used to fail
     on the sliding layers' DynamicCache; the 9-token prompt is one where transformers' own
     `generate` goes wrong)."""
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 
     torch.manual_seed(2)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train import cli
-from dflash_train.config import load_config
-from dflash_train.control import TrainingStopped
-from dflash_train.train import build, train_drafter
-
 from conftest import ROOT, TINY, losses
+from dflash_train.app import cli
+from dflash_train.core.config import load_config
+from dflash_train.train.control import TrainingStopped
+from dflash_train.train.loop import build, train_drafter
 
 
 def train_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_train.cli", "train", "--config", str(TINY),
+    return [sys.executable, "-m", "dflash_train", "train", "--config", str(TINY),
             "--output-dir", str(out), *overrides]
 
 
@@ -95,7 +94,7 @@ def poison_steps(run, monkeypatch, poisoned: set[int], watched: int = 4, on_resu
     """Turn the loss of the 1-based optimizer steps in `poisoned` NaN; returns a dict that gets
     the drafter and optimizer state before and after step `watched` ("before", "after").
     `on_result(n, result)` sees every step's StepResult."""
-    import dflash_train.step as step_module
+    import dflash_train.train.step as step_module
 
     real_loss, real_step = step_module.block_loss, step_module.DrafterStep.__call__
     snapshots = {}
@@ -183,8 +182,8 @@ def test_skip_decided_on_the_device_is_read_a_step_late(tmp_path, monkeypatch):
 def test_export_loads_back_everywhere(reference_run, tmp_path):
     from transformers import AutoModel
 
-    from dflash_train.checkpoint import drafter_from_checkpoint
-    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.core.drafter import DFlashDrafter
+    from dflash_train.train.checkpoint import drafter_from_checkpoint
 
     exported = reference_run / "drafter"
     drafter = DFlashDrafter.from_pretrained(exported)
@@ -217,7 +216,7 @@ def test_config_errors_stop_before_heavy_work(tmp_path, capsys):
 def test_embedded_default_short_run(tmp_path):
     """`dflash-train train` with no config (SmolLM2-135M on bundled ShareGPT), cut to 2 steps."""
     assert cli.main(["train", "--output-dir", str(tmp_path), "train.max_steps=2", "log.progress=false"]) == 0
-    from dflash_train.drafter import DFlashDrafter
+    from dflash_train.core.drafter import DFlashDrafter
 
     drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert drafter.config.hidden_size == 576 and drafter.target_layer_ids == [15]
@@ -285,7 +284,7 @@ def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(t
     assert f"train.max_time_s=1 reached: the run ends at step {last} of 20" in capsys.readouterr().out
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == last and record["lr"] > 0.5 * load_config(str(TINY)).optim.lr
-    from dflash_train.config import ConfigError
+    from dflash_train.core.config import ConfigError
     with pytest.raises(ConfigError, match="train.max_time_s must be > 0"):
         load_config(str(TINY), ["train.max_time_s=0"])
 
@@ -318,8 +317,8 @@ def test_loop_tails_skip_unsupervises_training_loops_past_three_periods_and_keep
     import numpy as np
     from datasets import Dataset
 
-    from dflash_train import data
-    from dflash_train.train import split_data
+    from dflash_train.data import preparation
+    from dflash_train.train.loop import split_data
 
     prose = list(range(100, 140))
     looping = [1, 9, 9] + prose + [5, 6, 7] * 20  # prompt (3) + reply: 40 prose + a loop of period 3
@@ -341,6 +340,6 @@ def test_loop_tails_skip_unsupervises_training_loops_past_three_periods_and_keep
     looped = sum(len(row["input_ids"]) != len(plain) for row in train)
     assert any(f"objective.loop_tails=skip: {51 * looped} of " in line for line in lines), lines
     assert train.features == dataset.features
-    assert data.skip_loop_tails(looping, masks[0])[1] == 51
+    assert preparation.skip_loop_tails(looping, masks[0])[1] == 51
     kept, _ = split_data(load_config(TINY, [f"output_dir={tmp_path}", "data.validation=2"]), dataset, log=lambda *_: None)
     assert all(sum(row["loss_mask"]) == len(row["input_ids"]) - 3 for row in kept)

@@ -15,15 +15,18 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from dflash_train import specdec, walk
-from dflash_train.batching import conversation_keys, validation_split
-from dflash_train.cli import main
-from dflash_train.config import ConfigError, load_config
-from dflash_train.data import conversation_key
-from dflash_train.target import Target
-from dflash_train.train import build, split_data, take_step, train_drafter
-
 from conftest import TINY, tiny_target_config
+from dflash_train.app.cli import main
+from dflash_train.core.config import ConfigError, DataSection, load_config
+from dflash_train.core.target import Target
+from dflash_train.data.batching import conversation_keys, validation_split
+from dflash_train.data.chat_files import conversation_key
+from dflash_train.engine.acceptance import turn_mean_tau
+from dflash_train.engine.decoder import speculative_generate, target_generate
+from dflash_train.engine.proposer import DFlashProposer
+from dflash_train.eval import walk
+from dflash_train.eval.during_training import DuringTraining
+from dflash_train.train.loop import build, split_data, take_step, train_drafter
 
 STOP, MASK, MAX_NEW = 5, 127, 40
 
@@ -42,8 +45,8 @@ def test_walk_commits_the_run_plus_the_targets_token_and_ends_with_the_turn():
 
 def _generate(model, prompt, proposer=None):
     if proposer is None:
-        return specdec.target_generate(model, prompt, MAX_NEW, stop_ids=[STOP])
-    return specdec.speculative_generate(model, prompt, proposer, MAX_NEW, stop_ids=[STOP])
+        return target_generate(model, prompt, MAX_NEW, stop_ids=[STOP])
+    return speculative_generate(model, prompt, proposer, MAX_NEW, stop_ids=[STOP])
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +89,20 @@ def test_walked_tau_equals_served_tau_on_the_targets_own_greedy_data(regenerated
     GPU's padding, and when the anchors of a row are spread over many drafter forwards."""
     model, prompts, dataset, run = regenerated
     drafter = run.step.drafter
-    walker = walk.Walker(dataset, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="sdpa",
-                         max_batch_size=4)
+    walker = walk.Walker(dataset, run.producer.target, run.step.heads, device=torch.device("cpu"),
+                         forward=walk.ForwardSettings("sdpa"), data=DataSection(max_batch_size=4))
     walked = walker(drafter)
-    proposer = specdec.DFlashProposer.for_target(drafter, model)
+    proposer = DFlashProposer.for_target(drafter, model)
     served = [[_generate(model, p, proposer).acceptance_lengths for p in turns] for turns in prompts]
     assert [walked.turns[i] for i in range(len(prompts))] == served
-    assert walked.tau == specdec.turn_mean_tau([t for s in served for t in s])
+    assert walked.tau == turn_mean_tau([t for s in served for t in s])
     assert len(set(walked.lengths())) >= 4 and 1.5 < walked.tau < 7, walked.record()  # not a trivial drafter
     # The GPU's settings, run here with eager flex attention: the BlockMask, packed rows padded
     # to the token budget, anchor counts padded to a multiple.
     four = dataset.select(range(4))
-    flex = walk.Walker(four, run.producer.target, run.step.heads, device=torch.device("cpu"), attention="flex",
-                       max_batch_size=4, pad_to=1024, anchor_multiple=8)(drafter)
+    flex = walk.Walker(four, run.producer.target, run.step.heads, device=torch.device("cpu"),
+                       forward=walk.ForwardSettings("flex", anchor_multiple=8), data=DataSection(max_batch_size=4),
+                       pad_to=1024)(drafter)
     assert [flex.turns[i] for i in range(4)] == served[:4]
     monkeypatch.setattr(walk, "DENSE_MASK_ENTRIES", 4000)  # a few blocks per forward
     assert walk.blocks_per_forward(200, drafter.block_size, "sdpa", 1) < 8
@@ -145,10 +149,10 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, m
     """A run with data.validation writes validation.jsonl: exactly the held-out conversations
     (read back from their file:line), with their user turns for `eval --prompts` and their
     messages for `eval --walk`; a sample without a source is left out."""
-    from dflash_train import data
-    from dflash_train.evaluate import load_prompts
-    from dflash_train.target import resolve_target_path
-    from dflash_train.train import VALIDATION_FILE, write_validation_prompts
+    from dflash_train.core.target import resolve_target_path
+    from dflash_train.data import chat_files, preparation
+    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.train.loop import VALIDATION_FILE, write_validation_prompts
 
     chats = tmp_path / "chats.jsonl"
     convs = [([{"role": "system", "content": f"Be brief, {i}."}] if i % 2 else [])
@@ -156,7 +160,7 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, m
              + ([{"role": "user", "content": f"And {i} more?"}, {"role": "assistant", "content": "Yes."}] if i % 3 else [])
              for i in range(24)]
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
-    prepared = data.prepare([chats], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
+    prepared = preparation.prepare([chats], resolve_target_path("bundled:tiny-random-llama"), tmp_path / "prepared",
                             log=lambda *a: None)
     cfg = load_config(TINY, ["data.validation=5"])
     training, validation = split_data(cfg, prepared.dataset, log=lambda *a: None)
@@ -173,9 +177,9 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, m
         assert w.get("system") == (convs[line - 1][0]["content"] if line % 2 == 0 else None)  # line = i + 1
     assert {"system" in w for w in written} == {True, False}  # both kinds held out
     assert [(r.turns, r.system) for r in load_prompts(str(out))] == [(w["turns"], w.get("system")) for w in written]
-    assert [r.messages for r in data.iter_records([out])] == [w["messages"] for w in written]
+    assert [r.messages for r in chat_files.iter_records([out])] == [w["messages"] for w in written]
     # Written once: a resumed run finds the same records there and reads no data file again.
-    monkeypatch.setattr(data, "records_at", lambda sources: pytest.fail("read the data files again"))
+    monkeypatch.setattr(preparation, "records_at", lambda sources: pytest.fail("read the data files again"))
     write_validation_prompts(out, validation, log=lambda *a: None)
     assert [json.loads(line) for line in out.read_text().splitlines()] == written
     sourceless = Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]], "length": [2]})
@@ -186,8 +190,8 @@ def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, m
 def test_a_resume_with_another_validation_split_is_refused():
     """Holding out other conversations (another data.validation_seed) can leave every length and
     count of the batch plan equal; the cursor's sample digest still tells the runs apart."""
-    from dflash_train.batching import BatchStream
-    from dflash_train.train import batch_plan
+    from dflash_train.data.batching import BatchStream
+    from dflash_train.train.loop import batch_plan
 
     keys = [f"c{i}" for i in range(500)]
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 500, "loss_mask": [[0, 1, 1]] * 500, "length": [3] * 500,
@@ -250,7 +254,7 @@ def _validated_run(tmp_path, regenerated, *extra, steps=8):
                              "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_best=true",
                              "checkpoint.export_dtype=float32", *extra])
     return build(cfg, log=lambda *a, **k: None, dataset=dataset, target_config=tiny_target_config(),
-                 build_target=lambda ids, logits: Target(copy.deepcopy(model), ids, logits))
+                 build_target=lambda ids, logits: Target(copy.deepcopy(model), ids, logits), evaluation=DuringTraining())
 
 
 def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, regenerated, capsys):
@@ -279,7 +283,7 @@ def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, 
 
 def _script_walks(monkeypatch, taus):
     """The run's validation walks return these walked taus, one per evaluation, in order."""
-    from dflash_train import train as train_module
+    from dflash_train.eval import during_training
 
     scripted = iter(taus)
 
@@ -290,7 +294,7 @@ def _script_walks(monkeypatch, taus):
         def record(self):
             return {"walked_tau": next(scripted)}
 
-    monkeypatch.setattr(train_module, "validation_walker", lambda run: Scripted())
+    monkeypatch.setattr(during_training, "validation_walker", lambda run: Scripted())
 
 
 def test_the_last_step_is_walked_and_can_be_the_best_one(tmp_path, regenerated, monkeypatch):
@@ -336,9 +340,9 @@ def test_keep_best_picks_the_best_step_and_a_resumed_run_remembers_it(tmp_path, 
 
 
 def test_eval_walk_writes_the_eval_layout_and_refuses_data_without_assistant_turns(tmp_path, capsys):
-    from dflash_train.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
-    from dflash_train.export import export_drafter
-    from dflash_train.target import load_target_model
+    from dflash_train.core.drafter import DFlashDrafter, build_drafter_config, resolve_mask_token_id
+    from dflash_train.core.export import export_drafter
+    from dflash_train.core.target import load_target_model
 
     model, tokenizer = load_target_model("bundled:tiny-random-llama", torch.device("cpu"), torch.float32)
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from dflash_train.errors import BAD_INPUT, FAILED, InputError
-from dflash_train.workers import WorkerError, parallel_map, worker_devices
+from dflash_train.core.errors import BAD_INPUT, FAILED, InputError
+from dflash_train.data.workers import WorkerError, parallel_map, worker_devices
 
 
 def _setup(device, offset):

@@ -1,0 +1,1 @@
+"""Entry points: the command line, its command handlers, and the quality recipe."""

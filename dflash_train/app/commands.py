@@ -1,0 +1,257 @@
+"""The handlers of `dflash-train` commands: the parsed arguments in, one call into the package,
+an exit status out. The parser (cli.py) hands each command its handler; errors are said there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from dflash_train.app import recipe
+from dflash_train.bench.decoding import (
+    DEFAULT_NEW_TOKENS,
+    DEFAULT_PROMPT,
+    DEFAULT_ROWS,
+    DecodeBench,
+    EngineSettings,
+    Requests,
+    run_decode_bench,
+)
+from dflash_train.bench.distributed import world_size
+from dflash_train.bench.training import format_report, run_bench
+from dflash_train.core.config import ConfigError, load_config
+from dflash_train.core.devices import resolve_device
+from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, output_file_problem, problems_of
+from dflash_train.core.export import check_export_folder, export_drafter
+from dflash_train.core.target import resolve_target_path
+from dflash_train.data.chat_files import DataError
+from dflash_train.data.preparation import no_samples, prepare
+from dflash_train.data.regenerate import SHOWN_SKIPS, RegenerationOptions, regenerate
+from dflash_train.data.serving import ServerError, ServingOptions
+from dflash_train.data.sources import write_source
+from dflash_train.eval.during_training import DuringTraining
+from dflash_train.eval.evaluate import Decoding, Placement, Timing, evaluate
+from dflash_train.eval.results import markdown_summary, write_outputs
+from dflash_train.eval.walk import evaluate_walk
+from dflash_train.train.checkpoint import drafter_from_checkpoint
+from dflash_train.train.loop import train
+from dflash_train.train.metrics import quiet_progress_bars
+from dflash_train.train.plot import summary_lines, write_report
+
+
+def run_train(args) -> int:
+
+    overrides = list(args.overrides)
+    if args.config is None and not overrides and gpu_default_applies():
+
+        plan = recipe.GpuDefault(**({"output_dir": args.output_dir} if args.output_dir else {}))
+        print(recipe.notice(plan), flush=True)
+        return recipe.run_gpu_default(plan)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    cfg = load_config(args.config, overrides)
+    if args.config is None and not args.overrides:
+        print(embedded_default_notice(cfg), flush=True)
+    train(cfg, evaluation=DuringTraining())
+    return 0
+
+
+def gpu_default_applies() -> bool:
+    """The embedded default runs the quality recipe (recipe.GpuDefault) where a CUDA GPU is
+    visible and the process is not one rank of several (torchrun keeps the smoke-sized run)."""
+
+
+    return torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+def embedded_default_notice(cfg) -> str:
+    """The first line of `dflash-train train` with no --config and no overrides: what the run is."""
+    return (f"dflash-train train: the embedded default, a smoke-sized run ({cfg.drafter.num_layers}-layer drafter, "
+            f"block {cfg.drafter.block_size}, {cfg.train.max_steps} steps on the bundled ShareGPT for "
+            f"{cfg.target.path}): it checks the install end to end and does not make a drafter that accelerates "
+            f"(served tau about 1.04); on a machine with a CUDA GPU the same command runs the quality recipe instead; "
+            f"see README 'The quality run' (scripts/quality_run.sh)")
+
+
+def run_export(args) -> int:
+
+
+    check_export_folder(args.out, "--out")
+    drafter = drafter_from_checkpoint(Path(args.checkpoint))
+    out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def run_prepare(args) -> int:
+    """`dflash-train data prepare`: an empty result is an error (the report says why). `--target`
+    is a folder or a bundled name, as everywhere."""
+
+    prepared = prepare(args.data, resolve_target_path(args.target, "--target"), args.out, max_length=args.max_length,
+                       overlong=args.overlong, strict=args.strict)
+    if prepared.report["num_samples"] == 0:
+        raise DataError(no_samples(prepared))
+    return 0
+
+
+def run_source(args) -> int:
+    """`dflash-train data source`."""
+    packages = None if args.packages is None else [p.strip() for p in args.packages.split(",") if p.strip()]
+    count = write_source(args.source, args.out, args.limit, args.seed, packages)
+    print(f"data source {args.source}: {count} records -> {args.out} (regenerate them with the target: "
+          f"dflash-train data regenerate --data {args.out} --target ...)")
+    return 0
+
+
+def run_regenerate(args) -> int:
+    """`dflash-train data regenerate`."""
+    try:
+        options = RegenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, batch_size=args.batch_size,
+                                      max_prompt_length=args.max_prompt_length, device=args.device, seed=args.seed,
+                                      limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
+                                      overlap=not args.no_overlap)
+        serving = ServingOptions(tuple(args.server), concurrency=args.concurrency, model=args.server_model,
+                                 timeout=args.timeout, retries=args.retries) if args.server else None
+        summary = regenerate(args.data, args.target, args.out, options, serving)
+    except ServerError as err:
+        if Path(args.out).exists():
+            err.add_note(f"the records already written to {args.out} stay; the same command resumes after them")
+        raise
+    for skip in summary["skipped"][:SHOWN_SKIPS]:
+        print(f"skipped {skip['file']}:{skip['line']}: {skip['reason']}")
+    if len(summary["skipped"]) > SHOWN_SKIPS:
+        print(f"... and {len(summary['skipped']) - SHOWN_SKIPS} more skipped records")
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"}))
+    return INTERRUPTED if summary.get("stopped") else 0
+
+
+def run_plot_cli(args) -> int:
+    problem = output_file_problem(args.out) if args.out else folder_problem(Path(args.run_dir) / "plots")
+    if problem is not None:
+        raise InputError(f"{args.out or args.run_dir}: {problem}")
+    summary = write_report(Path(args.run_dir), args.out)
+    for line in summary_lines(summary):
+        print(line)
+    return 0
+
+
+def run_eval(args) -> int:
+    """`dflash-train eval`: prompts decoded (here), or data walked (`--walk`, walk.py)."""
+    if bool(args.prompts) == bool(getattr(args, "walk", None)):
+        raise InputError("give --prompts (served tau by decoding) or --walk DATA (walked tau on data), "
+                         "not both or neither")
+    prompts = [p.strip() for item in args.prompts or [] for p in item.split(",") if p.strip()]
+    problem = output_file_problem(args.output)
+    if problem is not None:  # before the decoding, not after it
+        raise InputError(f"--output {args.output}: {problem}")
+    if args.walk:
+
+        quiet_progress_bars()
+        result = evaluate_walk(args.target, args.drafter, list(args.walk), limit=args.limit,
+                               device=args.device, dtype=args.dtype)
+    else:
+        decoding = Decoding(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        timing = Timing(speedup=not args.no_speedup, speedup_turns=args.speedup_turns, eager_turns=args.eager_turns)
+        placement = Placement(device=args.device, dtype=args.dtype, workers=args.workers, batch_size=args.batch_size,
+                              graphs=not args.no_graphs)
+        result = evaluate(args.target, args.drafter, prompts, limit=args.limit, decoding=decoding, timing=timing,
+                          placement=placement)
+    written = write_outputs(result, args.output)
+    print(markdown_summary(result))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def run_bench_cli(args) -> int:
+    output = Path(args.output) if args.output else None
+    summary = None
+    if args.profile and world_size() > 1:
+        raise ConfigError(["--profile is for one process: launch without torchrun"])
+    problem = output_file_problem(output) if output is not None else None
+    if problem is not None:
+        raise ConfigError([f"--output {output}: {problem}"])
+    if args.profile:
+        summary = (output.parent if output else Path(".")) / f"bench-{args.workload}-kernels.txt"
+    report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=args.overrides,
+                       drafter_only=args.drafter_only, profile=args.profile_steps, profile_summary=summary,
+                       peak_tflops=args.peak_tflops)
+    if report is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
+    for line in format_report(report):
+        print(line)
+    if summary is not None and summary.exists():
+        print(f"kernel summary written to {summary}")
+    line = json.dumps(report)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(line + "\n")
+    print(line, flush=True)
+    if report["skipped_steps"]:
+        # A skipped step (non-finite loss or gradients) did no update: its time is not a training
+        # step's, and on synthetic data it means a broken setting. The report stays written.
+        print(f"bench: {report['skipped_steps']} of {report['steps']} timed steps were skipped as non-finite "
+              f"(no optimizer step): these figures do not time training; find what made the loss or "
+              f"gradients NaN or inf (overrides: {report['overrides'] or 'none'}) before reading them",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_decode_bench_cli(args) -> int:
+    """`dflash-train bench --workload decode`."""
+
+    def counts(flag: str, text: str | None) -> tuple[int, ...] | None:
+        try:
+            values = tuple(int(r) for r in str(text).split(",")) if text else None
+        except ValueError:
+            values = ()
+        if values is not None and not (values and all(v >= 1 for v in values)):
+            problems.append(f"{flag} {text}: give row counts >= 1 separated by commas, e.g. 1,64,256")
+        return values
+
+    problems = []
+    rows, eager = counts("--rows", args.rows) or DEFAULT_ROWS, counts("--eager-rows", args.eager_rows)
+    if args.new_tokens is not None and args.new_tokens < 1:
+        problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    lengths = DEFAULT_PROMPT
+    if args.prompt_lengths is not None:
+        try:
+            lengths = tuple(int(v) for v in args.prompt_lengths.split(","))
+        except ValueError:
+            lengths = ()
+        if len(lengths) != 2 or not 1 <= lengths[0] <= lengths[1]:
+            problems.append(f"--prompt-lengths {args.prompt_lengths}: give the shortest and longest prompt, "
+                            f"1 <= LO <= HI, e.g. 64,512")
+    problem = output_file_problem(args.output) if args.output else None
+    if problem is not None:
+        problems.append(f"--output {args.output}: {problem}")
+    problems += problems_of(lambda: resolve_device(args.device, setting="--device"))
+    if args.target:
+        problems += problems_of(lambda: resolve_target_path(args.target, "--target"))
+    if problems:
+        raise InputError("; ".join(problems))
+    profile = None
+    if args.profile:
+        profile = (Path(args.output).parent if args.output else Path(".")) / "bench-decode-kernels.txt"
+    bench = DecodeBench(rows=rows, eager_rows=eager, profile_path=profile,
+                        requests=Requests(new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, prompt_lengths=lengths),
+                        engine=EngineSettings(attention=args.attention, overlap=not args.no_overlap))
+    report = run_decode_bench(bench, target=args.target, device=args.device)
+    line = json.dumps(report)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+def run_bench_command(args) -> int:
+    if args.workload == "decode":
+
+        return run_decode_bench_cli(args)
+
+    return run_bench_cli(args)

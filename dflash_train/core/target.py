@@ -1,0 +1,219 @@
+"""The frozen target: device and dtype choice, loading, capture of the tapped layers.
+
+Owns everything the drafter needs from the target model: its embedding and lm_head weights
+(frozen, shared, never saved with the drafter; `TargetHeads` reads them alone for a drafter
+rank), and the outputs of the tapped decoder layers for a padded batch (computed only up to the
+last tapped layer unless the objective needs the target's own predictions: its greedy token,
+or its final hidden state for distillation). Packing those outputs for the drafter is
+produce.py's.
+
+Batches are right-padded, so with causal attention no real token ever attends to padding and
+the target runs without an attention mask.
+
+Shape legend: b rows, L padded length, H hidden size, F = n*H concatenated tap width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash_train.core.assets import qwen2_5_coder_dir, smollm2_dir, tiny_random_target_dir
+from dflash_train.core.attention import CAUSAL_ATTENTION, UseAttention, has_sliding_layers, register_attention
+from dflash_train.core.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, runs_whole_target
+from dflash_train.core.devices import resolve_dtype
+from dflash_train.core.errors import MissingPath
+
+
+def resolve_target_path(path: str, setting: str = "target.path") -> Path:
+    """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use);
+    `setting` names the option in errors."""
+    if path == BUNDLED_TARGET:
+        return smollm2_dir()
+    if path == TINY_TARGET:
+        return tiny_random_target_dir()
+    if path == QWEN_CODER_TARGET:
+        return qwen2_5_coder_dir()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        what = "no such folder" if not p.is_dir() else "not a Hugging Face model folder (no config.json)"
+        raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")
+    return p
+
+
+def load_target_model(path: str, device: torch.device, dtype: str | torch.dtype = "auto"):
+    """The target (every layer and the lm_head) and its tokenizer: frozen, eval mode, on
+    `device`. Training, evaluation and regeneration all load it here."""
+    folder = resolve_target_path(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder)
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder module of a causal LM and its stack of layers."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__}: cannot find its decoder layer stack (expected "
+            f"model.get_decoder().layers); this architecture is not supported yet"
+        )
+    return decoder, layers
+
+
+class LayerTaps:
+    """Forward hooks keeping the outputs of chosen decoder layers (before the final norm: HF
+    `hidden_states[i + 1]` for layer i < L - 1), concatenated in tap order. The one definition
+    of "the target's features", for training capture and speculative decoding alike."""
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.outputs: dict[int, torch.Tensor] = {}
+        _, layers = decoder_layers(model)
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self, concat: bool = True) -> torch.Tensor | list[torch.Tensor] | None:
+        """[..., T, F] of the last forward (then forgotten), or with concat=False the tapped
+        layers' [..., T, H] outputs in tap order; None when nothing is tapped."""
+        if not self.layer_ids:
+            return None
+        parts = [self.outputs[i] for i in self.layer_ids]
+        self.outputs.clear()
+        return torch.cat(parts, dim=-1) if concat else parts
+
+    def __enter__(self) -> "LayerTaps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.outputs.clear()
+
+
+def capture_attention(model) -> str | None:
+    """The attention a capture runs the target's layers with: the engine's CAUSAL_ATTENTION when
+    the model would use SDPA with nothing but the causal mask (no sliding-window or chunked
+    layers), else None (the model's own). A capture's rows are right-padded samples at positions
+    0..L-1, so causal attention is all their mask is; with SDPA's own name, transformers would
+    first check the position ids for packed sequences, a host sync in every target forward
+    (`masking_utils.find_packed_sequence_indices`), and then pass no mask all the same. Same
+    kernels (SDPA, causal, grouped heads), same numbers."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or has_sliding_layers(config) \
+            or getattr(config, "attention_chunk_size", None) is not None:
+        return None
+    register_attention()
+    return CAUSAL_ATTENTION
+
+
+class Target:
+    """A frozen causal LM that returns the outputs of its tapped layers, and what
+    `objective.labels` (`labels`) needs of its last layer: nothing (data), its greedy token
+    (target) or its final hidden state (distill)."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], labels: str = "data") -> None:
+        if labels not in ("data", "target", "distill"):  # e.g. a bool (the former need_logits): loud, not silent
+            raise ValueError(f"labels must be objective.labels (data, target or distill), got {labels!r}")
+        self.model = model.eval().requires_grad_(False)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.labels = labels
+        self.decoder, layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"tapped layers {bad} do not exist: the target has {self.num_layers} layers")
+        if not runs_whole_target(labels):
+            # Nothing after the last tapped layer is ever needed: drop it (time and memory).
+            self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
+        self.taps = LayerTaps(model, self.layer_ids)
+        self.attention = capture_attention(model)
+        self.embed_weight = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        self.lm_head_weight = head.weight if head is not None else self.embed_weight
+
+    @torch.no_grad()
+    def capture(self, input_ids_bL: torch.Tensor, concat: bool = True):
+        """features [b, L, n*H] of the tapped layers (in tap order; concat=False: a list of n
+        [b, L, H]), and what the labels need past them: None (data), the greedy next-token
+        prediction at every position [b, L] (target), or the final hidden state (after the
+        final norm, what the lm_head reads) at every position [b, L, H] (distill)."""
+        if self.attention is None:
+            out = self.decoder(input_ids=input_ids_bL, use_cache=False)
+        else:
+            with UseAttention(self.model, self.attention):
+                out = self.decoder(input_ids=input_ids_bL, use_cache=False)
+        features = self.taps.features(concat)
+        if self.labels == "distill":
+            return features, out.last_hidden_state
+        greedy = None
+        if self.labels == "target":
+            last = out.last_hidden_state
+            greedy = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
+            rows = 1024  # lm_head in chunks of positions: never [b, L, V] logits at once
+            flat, flat_out = last.reshape(-1, last.shape[-1]), greedy.view(-1)
+            for s in range(0, flat.shape[0], rows):
+                flat_out[s : s + rows] = (flat[s : s + rows] @ self.lm_head_weight.t()).argmax(-1)
+        return features, greedy
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+
+def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
+                labels: str = "data") -> tuple[Target, object]:
+    """Load, freeze and wrap the target (`labels`: objective.labels); returns (Target, tokenizer)."""
+    model, tokenizer = load_target_model(path, device, dtype)
+    return Target(model, layer_ids, labels), tokenizer
+
+
+class TargetHeads:
+    """The target's frozen embedding and lm_head without its layers: what a drafter rank of a
+    disaggregated run needs. Read from the checkpoint's safetensors files by name, so the
+    decoder layers are never loaded."""
+
+    def __init__(self, path: str, device: torch.device, dtype: str) -> None:
+
+        folder = resolve_target_path(path)
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        names: dict[int, list[str]] = {}  # tied weights have several names; the file holds one
+        for n, p in skeleton.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        embed = skeleton.get_input_embeddings().weight
+        head = skeleton.get_output_embeddings()
+        wanted = {"embed": names[id(embed)]}
+        if head is not None and head.weight is not embed:
+            wanted["head"] = names[id(head.weight)]
+        index = folder / "model.safetensors.index.json"
+        files = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+        torch_dtype = resolve_dtype(dtype, device)
+        found = {}
+        for role, candidates in wanted.items():
+            for name in candidates:
+                file = folder / files.get(name, "model.safetensors")
+                if not file.is_file():
+                    continue
+                with safe_open(str(file), framework="pt") as f:
+                    if name in f.keys():
+                        found[role] = f.get_tensor(name).to(device, torch_dtype)
+                        break
+            if role not in found:
+                raise KeyError(f"{folder}: no safetensors file holds the target's {role} weight "
+                               f"(looked for {candidates})")
+        self.embed_weight = found["embed"]
+        self.lm_head_weight = found.get("head", self.embed_weight)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
