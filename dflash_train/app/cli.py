@@ -12,7 +12,7 @@ from dflash_train.app import commands
 from dflash_train.bench.workloads import WORKLOADS
 from dflash_train.core.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET
 from dflash_train.core.errors import FAILED, INTERRUPTED, PEER_LOST, UserError
-from dflash_train.data import preparation, regenerate, serving, sources
+from dflash_train.data import preparation, regenerate, serving, sources, target_prompts
 from dflash_train.eval import evaluate
 
 TARGET_HELP = f"the target's Hugging Face folder, or {BUNDLED_TARGET} / {QWEN_CODER_TARGET} / {TINY_TARGET}"
@@ -110,22 +110,54 @@ def add_data_commands(subparsers) -> None:
 
 def add_source_command(data_commands) -> None:
     source = data_commands.add_parser(
-        "source", help="write chat records of an offline prompt source (code, arithmetic) to regenerate")
-    source.add_argument("--source", required=True, choices=tuple(sources.SOURCES),
+        "source", help="write chat records of a prompt source: offline (code, arithmetic) to regenerate, or "
+        "conversations the target writes itself")
+    source.add_argument("--source", required=True, choices=(*sources.SOURCES, target_prompts.SOURCE),
                         help="python-functions: documented functions of this Python's standard library "
                         "(signature and docstring -> the function); python-packages: the same from the installed "
                         "libraries (--packages); word-problems: arithmetic word problems "
-                        "generated from --seed (question -> worked solution)")
+                        "generated from --seed (question -> worked solution); target-prompts: conversations the "
+                        "target writes itself, its user turns sampled and answered at T=0 (--target, --limit)")
     source.add_argument("--out", required=True, metavar="FILE", help="JSONL output (ShareGPT records)")
     source.add_argument("--limit", type=int, default=None, metavar="N",
                         help="the first N records (python-functions, python-packages: all by default; word-problems "
-                        "needs it)")
+                        "and target-prompts need it)")
     source.add_argument("--seed", type=int, default=0, help="the order of python-functions, the problems of "
-                        "word-problems (default %(default)s)")
+                        "word-problems, the samples of target-prompts (default %(default)s)")
     source.add_argument("--packages", default=None, metavar="NAMES",
                         help="python-packages: the packages to read, import names separated by commas (default: "
                         f"those of {','.join(sources.PACKAGES)} that are installed)")
+    add_target_prompt_arguments(source)
     source.set_defaults(func=commands.run_source)
+
+
+def add_target_prompt_arguments(parser) -> None:
+    """`data source --source target-prompts`: the target and how it writes (docs/DATA.md)."""
+    defaults = target_prompts.TargetPromptOptions(limit=1)
+    group = parser.add_argument_group("target-prompts", "conversations written by the target itself")
+    group.add_argument("--target", default=None, metavar="DIR", help=TARGET_HELP)
+    group.add_argument("--temperature", type=float, default=None,
+                       help=f"sampling temperature of the written user turns (default {defaults.temperature})")
+    group.add_argument("--top-p", type=float, default=None, help=f"nucleus mass (default {defaults.top_p})")
+    group.add_argument("--turns", type=int, default=None, metavar="N",
+                       help=f"user turns per conversation at most, each drawn from 1..N (default {defaults.max_turns})")
+    group.add_argument("--system-share", type=float, default=None, metavar="X",
+                       help="share of conversations opening with a system message the target writes (default "
+                       f"{defaults.system_share})")
+    group.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                       help=f"a written turn not ended within N tokens is dropped (default "
+                       f"{defaults.max_prompt_tokens})")
+    group.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                       help=f"longest answer in tokens, as `data regenerate` (default {defaults.max_new_tokens})")
+    group.add_argument("--max-length", type=int, default=None, metavar="N",
+                       help=f"no turn is added past N tokens of conversation (default {defaults.max_length})")
+    group.add_argument("--near-duplicate", type=float, default=None, metavar="J",
+                       help="MinHash Jaccard similarity at which a first user turn repeats an earlier one "
+                       f"(default {defaults.near_duplicate})")
+    group.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help=f"turns decoded at once (default {defaults.batch_size}; on a GPU try 256-1024)")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    group.add_argument("--no-graphs", action="store_true", help="run every decoding step eagerly")
 
 
 def add_server_arguments(parser) -> None:

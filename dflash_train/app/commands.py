@@ -27,6 +27,7 @@ from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, output_file_problem, problems_of
 from dflash_train.core.export import check_export_folder, export_drafter
 from dflash_train.core.target import resolve_target_path
+from dflash_train.data import target_prompts
 from dflash_train.data.chat_files import DataError
 from dflash_train.data.preparation import no_samples, prepare
 from dflash_train.data.regenerate import SHOWN_SKIPS, RegenerationOptions, regenerate
@@ -98,11 +99,44 @@ def run_prepare(args) -> int:
 
 
 def run_source(args) -> int:
-    """`dflash-train data source`."""
+    """`dflash-train data source`: an offline source, or the target's own conversations."""
+    given = [f"--{name.replace('_', '-')}" for name in TARGET_PROMPT_FLAGS if getattr(args, name) not in (None, False)]
+    if args.source == target_prompts.SOURCE:
+        return run_target_prompts(args)
+    if given:
+        raise InputError(f"{', '.join(given)}: options of --source {target_prompts.SOURCE}, not of {args.source}")
     packages = None if args.packages is None else [p.strip() for p in args.packages.split(",") if p.strip()]
     count = write_source(args.source, args.out, args.limit, args.seed, packages)
     print(f"data source {args.source}: {count} records -> {args.out} (regenerate them with the target: "
           f"dflash-train data regenerate --data {args.out} --target ...)")
+    return 0
+
+
+# `data source` flags of target-prompts -> TargetPromptOptions fields
+TARGET_PROMPT_FLAGS = {"target": None, "temperature": "temperature", "top_p": "top_p", "turns": "max_turns",
+                       "system_share": "system_share", "max_prompt_tokens": "max_prompt_tokens",
+                       "max_new_tokens": "max_new_tokens", "max_length": "max_length",
+                       "near_duplicate": "near_duplicate", "batch_size": "batch_size", "device": "device",
+                       "no_graphs": None}
+
+
+def run_target_prompts(args) -> int:
+    """`dflash-train data source --source target-prompts`."""
+    problems = [] if args.target else ["--target: give the target model folder that writes the conversations"]
+    if args.limit is None:
+        problems.append("--limit: the target writes without end: give --limit N")
+    if args.packages is not None:
+        problems.append(f"--packages is an option of --source python-packages, not of {target_prompts.SOURCE}")
+    if problems:
+        raise InputError("; ".join(problems))
+    settings = {field: getattr(args, flag) for flag, field in TARGET_PROMPT_FLAGS.items()
+                if field is not None and getattr(args, flag) is not None}
+    options = target_prompts.TargetPromptOptions(limit=args.limit, seed=args.seed, graphs=not args.no_graphs,
+                                                 **settings)
+    counts = target_prompts.write_target_prompts(args.target, args.out, options)
+    print(json.dumps(counts))
+    print(f"data source {target_prompts.SOURCE}: {counts['kept']} conversations of the target's own -> {args.out} "
+          f"(answered at T=0 already: train on them as they are, e.g. data.paths=[{args.out}])")
     return 0
 
 

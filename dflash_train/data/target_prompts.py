@@ -1,0 +1,430 @@
+"""Prompts written by the target itself: the `target-prompts` source of `dflash-train data source`.
+
+A drafter accelerates text like the text it was trained on, and a user rarely has the chats their
+target was tuned on. The target knows what it expects to be asked: opened at a user turn of its
+own chat template and sampled, it writes a user's message. This module owns that source:
+
+- A conversation opens with the template's own start (its default system prompt included, where
+  it has one), or, for a share of the conversations (`system_share`), with a system message the
+  target writes itself (the template opened at a system turn), where the template has a system
+  role. The target then writes the first user turn, sampled at `temperature` / `top_p` on the
+  decoding engine, one seed per (record, turn) so that a record does not depend on batching.
+- Every user turn is answered greedily (T = 0) on the engine, as `data regenerate` answers, and
+  the target writes the next user turn after it, up to a number of user turns drawn per record
+  from 1..`max_turns`, while the conversation fits `max_length` tokens. The records are finished
+  chats in the target's own words: training reads them as they are, and `data regenerate` gives
+  them back unchanged (up to rounding).
+- Filters, counted by reason: empty turns, turns cut at `max_prompt_tokens` (truncated / over-long),
+  a "user" turn that is a refusal or an assistant's reply, an empty answer; and duplicates of an
+  earlier first user turn, exact (normalised text) or near (MinHash LSH of word shingles at
+  Jaccard `near_duplicate`, datasketch). A later turn that fails ends its conversation there.
+- The output is JSONL (ShareGPT records, `source: target-prompts`, ids `target-prompts:SEED:N` with
+  N the candidate's index), written in candidate order as chunks finish: a rerun of the same
+  command resumes after the last whole record (the deduplication index is rebuilt from it), and
+  the records do not depend on where a run was stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datasketch import MinHash, MinHashLSH
+from transformers import AutoTokenizer
+
+from dflash_train.core.devices import resolve_device
+from dflash_train.core.errors import InputError, output_file_problem
+from dflash_train.core.target import load_target_model, resolve_target_path
+from dflash_train.data.chat_files import DataError
+from dflash_train.data.preparation import render
+from dflash_train.data.responders import Decoding, LocalResponder, check_cache_memory
+from dflash_train.data.serving import turn_seed
+
+SOURCE = "target-prompts"
+MARK = "\ue000dflash-train\ue001"  # private-use characters: no template or tokenizer makes them
+NUM_PERM = 128
+SHINGLE_WORDS = 3
+# A "user" turn that opens like an assistant's reply: the target answered instead of asking.
+REFUSAL = re.compile(r"^\W*(i'?m sorry|i am sorry|sorry[,.!]|i apologi[sz]e|i can(?:no|')t (?:help|assist|do|provide|"
+                     r"answer|comply)|i cannot|i'?m (?:not able|unable)|i am (?:not able|unable)|as an ai\b|"
+                     r"as a language model|certainly[,!.]|sure[,!]|of course[,!]|here is |here's )", re.IGNORECASE)
+PROGRESS_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class TargetPromptOptions:
+    """How the target writes its conversations (`dflash-train data source --source target-prompts`)."""
+
+    limit: int
+    """Records to write (kept after the filters)."""
+    seed: int = 0
+    temperature: float = 1.0
+    """Sampling temperature of the user (and system) turns; must be > 0."""
+    top_p: float = 0.95
+    max_turns: int = 1
+    """User turns per conversation at most; each record draws its count from 1..max_turns."""
+    system_share: float = 0.0
+    """Share of the conversations that open with a system message the target writes."""
+    max_prompt_tokens: int = 512
+    """A user or system turn that has not ended within this many tokens is dropped (truncated)."""
+    max_new_tokens: int = 2048
+    """The answers' budget, as `data regenerate --max-new-tokens`."""
+    max_length: int = 4096
+    """No turn is added once the conversation's context would pass this many tokens."""
+    near_duplicate: float = 0.8
+    """Jaccard similarity of word shingles (MinHash) at which a first user turn is a near
+    duplicate of an earlier one."""
+    batch_size: int = 64
+    """Turns decoded at once on the engine."""
+    device: str = "auto"
+    graphs: bool = True
+
+    def problems(self) -> list[str]:
+        p = []
+        for name in ("limit", "max_turns", "max_prompt_tokens", "max_new_tokens", "max_length", "batch_size"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            p.append(f"--temperature must be > 0: the target writes varied prompts only when it samples, "
+                     f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            p.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.system_share <= 1:
+            p.append(f"--system-share must be in [0, 1], got {self.system_share}")
+        if not 0 < self.near_duplicate <= 1:
+            p.append(f"--near-duplicate must be in (0, 1], got {self.near_duplicate}")
+        return p
+
+
+@dataclass
+class Conversation:
+    """One candidate record while the target writes it."""
+
+    index: int
+    turns: int  # user turns wanted
+    system: bool  # opens with a system message the target writes
+    messages: list[dict] = field(default_factory=list)
+    alive: bool = True
+
+    @property
+    def users(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+
+class Deduplicator:
+    """Exact and near duplicates among the first user turns of the records kept so far."""
+
+    def __init__(self, threshold: float) -> None:
+        self.exact: set[str] = set()
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM)
+
+    def check(self, text: str) -> str | None:
+        """The reason `text` duplicates a kept record's first user turn, or None."""
+        normal = normalise(text)
+        if hashlib.sha1(normal.encode()).hexdigest() in self.exact:
+            return "exact duplicate"
+        return "near duplicate" if self.lsh.query(minhash(normal)) else None
+
+    def check_and_add(self, key: str, text: str) -> str | None:
+        """As `check`; a text that is no duplicate is remembered under `key`."""
+        reason = self.check(text)
+        if reason is None:
+            normal = normalise(text)
+            self.exact.add(hashlib.sha1(normal.encode()).hexdigest())
+            self.lsh.insert(key, minhash(normal))
+        return reason
+
+
+def normalise(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def minhash(normal: str) -> MinHash:
+    words = normal.split()
+    shingles = [" ".join(words[i:i + SHINGLE_WORDS]) for i in range(max(1, len(words) - SHINGLE_WORDS + 1))]
+    signature = MinHash(num_perm=NUM_PERM, seed=1)
+    for shingle in shingles:
+        signature.update(shingle.encode())
+    return signature
+
+
+def turn_problem(text: str, stopped: bool) -> str | None:
+    """Why a written user or system turn is dropped, or None."""
+    if not stopped:
+        return "truncated"
+    if len(text.strip()) < 2:
+        return "empty"
+    if REFUSAL.match(text):
+        return "refusal"
+    return None
+
+
+class Template:
+    """Where the target's chat template opens a turn of a role, after the messages so far."""
+
+    def __init__(self, tokenizer, name: str) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"--target {name}: its tokenizer has no chat template, so it has no user turn to "
+                            f"write: give the folder of a chat (instruct) model, whose tokenizer_config.json or "
+                            f"chat_template.jinja holds its template")
+        self.tokenizer = tokenizer
+        self.opening([], "user")  # a template that drops the user's words is no use here
+        try:
+            self.has_system = bool(self.opening([], "system"))
+        except (DataError, Exception):  # noqa: BLE001 - templates raise what they like for an unsupported role
+            self.has_system = False
+
+    def opening(self, messages: list[dict], role: str) -> str:
+        """The rendered conversation up to where a `role` turn's text begins."""
+        text = render(self.tokenizer, [*messages, {"role": role, "content": MARK}])
+        if MARK not in text:
+            raise DataError(f"the target's chat template does not render a {role} turn's text; it cannot write one")
+        return text[:text.index(MARK)]
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_all(responder: LocalResponder, requests: list[tuple[object, list[int], int]]) -> dict:
+    """key -> (text, stopped on a stop token) for every (key, prompt ids, seed)."""
+    for key, ids, seed in requests:
+        responder.submit(key, "", ids, seed)
+    answers = {}
+    while len(answers) < len(requests):
+        for key, text, stopped, _ in responder.poll():
+            answers[key] = (text, stopped)
+    return answers
+
+
+class Writer:
+    """The target's conversations for one chunk of candidates, in candidate order."""
+
+    def __init__(self, template: Template, sampler: LocalResponder, answerer: LocalResponder,
+                 options: TargetPromptOptions, counts: dict[str, int]) -> None:
+        self.template, self.sampler, self.answerer = template, sampler, answerer
+        self.options, self.counts = options, counts
+
+    def candidates(self, first: int, count: int) -> list[Conversation]:
+        out = []
+        for index in range(first, first + count):
+            rng = random.Random(turn_seed(self.options.seed, index, -1))
+            turns = rng.randint(1, self.options.max_turns)
+            system = self.template.has_system and rng.random() < self.options.system_share
+            out.append(Conversation(index, turns, system))
+        return out
+
+    def write(self, conversations: list[Conversation], dedup: Deduplicator) -> list[Conversation]:
+        """The conversations of a chunk that pass the filters, each written to its end. A first
+        user turn that repeats a record kept before the chunk is dropped before it is answered;
+        one that repeats an earlier candidate of the chunk after, in candidate order, so that
+        which of two copies is kept depends on neither batching nor where a run was resumed."""
+        self.sample_turns([c for c in conversations if c.system], "system")
+        self.sample_turns(conversations, "user")
+        for c in conversations:
+            reason = dedup.check(first_user(c)) if c.alive else None
+            if reason is not None:
+                self.drop(c, reason)
+        live = [c for c in conversations if c.alive]
+        while True:
+            self.answer([c for c in live if c.alive and c.messages[-1]["role"] == "user"])
+            more = [c for c in live if c.alive and c.users < c.turns and self.fits(c, self.options.max_prompt_tokens)]
+            if not more:
+                break
+            self.sample_turns(more, "user", cut=True)
+        kept = []
+        for c in live:
+            if c.alive and any(m["role"] == "assistant" for m in c.messages):
+                reason = dedup.check_and_add(str(c.index), first_user(c))
+                if reason is None:
+                    kept.append(c)
+                else:
+                    self.drop(c, reason)
+        return kept
+
+    def sample_turns(self, conversations: list[Conversation], role: str, cut: bool = False) -> None:
+        """The target writes the next `role` turn of each; one that fails a filter drops its
+        conversation (a system turn: the conversation goes on without one; `cut`: it ends before
+        the turn)."""
+        live = [c for c in conversations if c.alive]
+        requests = [(c.index, self.template.ids(self.template.opening(c.messages, role)),
+                     turn_seed(self.options.seed, c.index, 2 * c.users + (role == "user"))) for c in live]
+        written = decode_all(self.sampler, requests)
+        for c in live:
+            text, stopped = written[c.index]
+            reason = turn_problem(text, stopped)
+            if reason is None:
+                c.messages.append({"role": role, "content": text.strip()})
+            elif role == "user" and not cut:
+                self.drop(c, reason)
+            else:
+                self.count(f"{role} turns dropped: {reason}")
+                if cut:
+                    c.turns = c.users
+
+    def answer(self, conversations: list[Conversation]) -> None:
+        """Each conversation's last user turn answered at T = 0. A turn whose answer would pass
+        max_length, or whose answer is empty, ends its conversation before it (the first turn:
+        the candidate is dropped); an answer cut at its budget is marked unfinished, as
+        regeneration marks it."""
+        fit = [c for c in conversations if self.fits(c, self.options.max_new_tokens)]
+        for c in conversations:
+            if c not in fit:
+                self.end_before_last_turn(c, "over-long")
+        requests = [(c.index, self.template.ids(render(self.template.tokenizer, c.messages, generation_prompt=True)),
+                     0) for c in fit]
+        answers = decode_all(self.answerer, requests)
+        for c in fit:
+            text, stopped = answers[c.index]
+            if text.strip():
+                c.messages.append({"role": "assistant", "content": text, **({} if stopped else {"unfinished": True})})
+            else:
+                self.end_before_last_turn(c, "empty answer")
+
+    def end_before_last_turn(self, c: Conversation, reason: str) -> None:
+        c.messages.pop()
+        c.turns = c.users
+        if c.users:
+            self.count(f"user turns cut: {reason}")
+        else:
+            self.drop(c, reason)
+
+    def fits(self, c: Conversation, new_tokens: int) -> bool:
+        """The conversation so far plus `new_tokens` more stays within max_length."""
+        context = self.template.ids(render(self.template.tokenizer, c.messages))
+        return len(context) + new_tokens <= self.options.max_length
+
+    def drop(self, c: Conversation, reason: str) -> None:
+        c.alive = False
+        self.count(reason)
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+
+def first_user(c: Conversation) -> str:
+    return next(m["content"] for m in c.messages if m["role"] == "user")
+
+
+def record_of(c: Conversation, seed: int) -> dict:
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [{"from": roles[m["role"]], "value": m["content"], **({"unfinished": True} if m.get("unfinished") else {})}
+             for m in c.messages]
+    return {"id": f"{SOURCE}:{seed}:{c.index}", "source": SOURCE, "conversations": turns}
+
+
+def resume_state(out: Path, seed: int) -> tuple[int, list[dict]]:
+    """(next candidate index, the records already written) of an earlier run into `out`; a
+    torn last line (a killed run) is ignored here and cut when the file is next written. A file
+    that holds anything but this source's records of this seed is refused, untouched."""
+    if not out.exists():
+        return 0, []
+    records, data = [], out.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    torn = data[len(whole):]
+    if torn and not torn.startswith(json.dumps({"id": f"{SOURCE}:"})[:-2].encode()):
+        number = whole.count(b"\n") + 1
+        raise InputError(f"--out {out}:{number}: not a {SOURCE} record; the same command resumes only its own "
+                         f"output: choose another --out")
+    for number, line in enumerate(whole.splitlines(), 1):
+        try:
+            record = json.loads(line)
+            kind, record_seed, index = record["id"].rsplit(":", 2)
+        except (ValueError, KeyError, AttributeError, TypeError):
+            record = kind = None
+        if record is None or kind != SOURCE or record.get("source") != SOURCE or int(record_seed) != seed:
+            raise InputError(f"--out {out}:{number}: not a {SOURCE} record of --seed {seed}; the same command "
+                             f"resumes only its own output: choose another --out")
+        records.append(record)
+    last = int(records[-1]["id"].rsplit(":", 1)[1]) if records else -1
+    return last + 1, records
+
+
+def append_records(out: Path, records: list[dict]) -> None:
+    """Append whole lines, after cutting a torn last line of a killed run; flushed and fsynced."""
+    if out.exists():
+        size = out.stat().st_size
+        with open(out, "rb") as handle:
+            data = handle.read()
+        whole = data.rfind(b"\n") + 1
+        if whole != size:
+            os.truncate(out, whole)
+    with open(out, "a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_target_prompts(target: str, out: str | Path, options: TargetPromptOptions, *, model=None, tokenizer=None,
+                         log=print) -> dict:
+    """Write `options.limit` conversations of the target's own to the JSONL file `out` (resumed
+    when it holds an earlier run's); returns the counts. `model` / `tokenizer`: the target
+    already loaded."""
+    out = Path(out)
+    problems = options.problems()
+    problem = output_file_problem(out)
+    if problem:
+        problems.append(f"--out {out}: {problem}")
+    if problems:
+        raise InputError("; ".join(problems))
+    first, done = resume_state(out, options.seed)
+    target_dir = resolve_target_path(target, "--target")
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
+    template = Template(tokenizer, str(target))
+    counts = {"kept": len(done), "candidates": first}
+    if len(done) >= options.limit:
+        return counts
+    if model is None:
+        model = load_target_model(str(target_dir), resolve_device(options.device, "--device"))[0]
+    writer = Writer(template, *responders(model, tokenizer, options), options, counts)
+    dedup = Deduplicator(options.near_duplicate)
+    for record in done:
+        first_user = next(t["value"] for t in record["conversations"] if t["from"] == "human")
+        dedup.check_and_add(record["id"].rsplit(":", 1)[1], first_user)
+    return write_chunks(writer, dedup, out, first, log)
+
+
+def responders(model, tokenizer, options: TargetPromptOptions) -> tuple[LocalResponder, LocalResponder]:
+    """The sampling engine of the written turns and the greedy one of the answers."""
+    device = next(model.parameters()).device
+    sampled = Decoding(options.max_prompt_tokens, options.max_length, options.temperature, options.top_p,
+                       rows=options.batch_size, graphs=options.graphs)
+    greedy = Decoding(options.max_new_tokens, options.max_length, rows=options.batch_size, graphs=options.graphs)
+    for decoding in (sampled, greedy):
+        check_cache_memory(model, device, decoding)
+    return LocalResponder(model, tokenizer, sampled), LocalResponder(model, tokenizer, greedy)
+
+
+def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log) -> dict:
+    """Candidates in chunks of four engine batches until `limit` records are kept; a chunk's
+    records are appended as it finishes (a stop loses at most the chunk in flight)."""
+    options, counts = writer.options, writer.counts
+    chunk, started, shown = 4 * options.batch_size, time.perf_counter(), time.perf_counter()
+    give_up = max(1000, 20 * options.limit)  # a target that writes nothing usable ends the run, said
+    while counts["kept"] < options.limit:
+        if counts["candidates"] >= give_up:
+            raise DataError(f"{SOURCE}: {counts['kept']} of {counts['candidates']:,} conversations kept; the target "
+                            f"writes too few usable turns ({drop_summary(counts)}): try another --temperature / "
+                            f"--top-p or a larger --max-prompt-tokens")
+        written, need = writer.write(writer.candidates(first, chunk), dedup), options.limit - counts["kept"]
+        kept = written[:need]
+        append_records(out, [record_of(c, options.seed) for c in kept])
+        counts["kept"] += len(kept)
+        # Past the chunk, or (the limit reached inside it) past its last record written.
+        counts["candidates"] = first = kept[-1].index + 1 if len(written) > need else first + chunk
+        if time.perf_counter() - shown >= PROGRESS_EVERY_S or counts["kept"] >= options.limit:
+            shown = time.perf_counter()
+            log(f"{SOURCE}: {counts['kept']:,} of {options.limit:,} kept from {counts['candidates']:,} candidates "
+                f"in {shown - started:.0f} s ({drop_summary(counts)})")
+    return counts
+
+
+def drop_summary(counts: dict[str, int]) -> str:
+    dropped = {k: v for k, v in counts.items() if k not in ("kept", "candidates") and v}
+    return ", ".join(f"{v:,} {k}" for k, v in sorted(dropped.items())) or "none dropped"

@@ -1,0 +1,221 @@
+"""The target-prompts source (data/target_prompts.py): conversations the target writes itself.
+
+The tiny random target writes through a hook on its logits: sampled turns are varied tokens that
+end after a few (some empty, some cut at the budget); greedy answers repeat one word and never stop
+(cut at their budget, marked unfinished). The filters and the
+deduplication are also checked on constructed cases, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import load_tokenizer
+from dflash_train.app.cli import main
+from dflash_train.core.assets import tiny_random_target_dir
+from dflash_train.core.errors import InputError
+from dflash_train.core.target import load_target_model
+from dflash_train.data import target_prompts
+from dflash_train.data.chat_files import DataError, Record, iter_records
+from dflash_train.data.preparation import prepare
+from dflash_train.data.regenerate import RegenerationOptions, regenerate
+from dflash_train.data.target_prompts import (
+    Conversation,
+    Deduplicator,
+    TargetPromptOptions,
+    Template,
+    Writer,
+    turn_problem,
+    write_target_prompts,
+)
+from dflash_train.engine.sampling import stop_token_ids
+
+TINY = "bundled:tiny-random-llama"
+
+
+@pytest.fixture(scope="module")
+def writer_target():
+    """(model, tokenizer) of the tiny target with its logits shaped for writing (module docstring)."""
+    folder = tiny_random_target_dir()
+    model, tokenizer = load_target_model(str(folder), torch.device("cpu"))
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    word = tokenizer.convert_tokens_to_ids("\u0120word")
+
+    def shape(module, inputs, logits):
+        logits = logits / 8  # the random weights' logits, flattened: samples of varied tokens
+        top = logits.max(dim=-1, keepdim=True).values
+        logits[..., [word]] = top + 6  # the greedy choice, about a quarter of the samples
+        logits[..., stops] = top + 5.5  # a stop about every seventh token
+        return logits
+
+    model.lm_head.register_forward_hook(shape)
+    return model, tokenizer
+
+
+def options(**kw) -> TargetPromptOptions:
+    base = dict(limit=6, seed=3, max_turns=3, system_share=0.5, max_prompt_tokens=24, max_new_tokens=8,
+                max_length=256, batch_size=4, device="cpu", graphs=False, near_duplicate=0.9)
+    return TargetPromptOptions(**{**base, **kw})
+
+
+def run(path, writer_target, **kw) -> list[dict]:
+    model, tokenizer = writer_target
+    write_target_prompts(TINY, path, options(**kw), model=model, tokenizer=tokenizer, log=lambda *a: None)
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_same_seed_writes_the_same_records_whatever_the_batch(tmp_path, writer_target):
+    a = run(tmp_path / "a.jsonl", writer_target)
+    b = run(tmp_path / "b.jsonl", writer_target, batch_size=3)
+    assert a == b and len(a) == 6
+    c = run(tmp_path / "c.jsonl", writer_target, seed=4)
+    assert [r["conversations"] for r in c] != [r["conversations"] for r in a]
+
+
+def test_records_are_whole_conversations_in_order_that_the_reader_and_regeneration_take(tmp_path, writer_target):
+    records = run(tmp_path / "tp.jsonl", writer_target, limit=8)
+    indices = [int(r["id"].rsplit(":", 1)[1]) for r in records]
+    assert indices == sorted(set(indices)) and all(r["source"] == "target-prompts" for r in records)
+    turns = [[t["from"] for t in r["conversations"]] for r in records]
+    for roles in turns:
+        body = roles[1:] if roles[0] == "system" else roles
+        assert body == ["human", "gpt"] * (len(body) // 2) and 1 <= len(body) // 2 <= 3
+    assert any(len(t) > 2 + (t[0] == "system") for t in turns), "some conversations have several turns"
+    assert any(t[0] == "system" for t in turns), "some open with a system message the target wrote"
+    assert all(t["unfinished"] for r in records for t in r["conversations"] if t["from"] == "gpt")
+    read = list(iter_records([tmp_path / "tp.jsonl"]))
+    assert len(read) == 8 and all(isinstance(r, Record) for r in read)
+    model, tokenizer = writer_target
+    summary = regenerate([tmp_path / "tp.jsonl"], TINY, tmp_path / "again.jsonl",
+                         RegenerationOptions(max_new_tokens=8, device="cpu", graphs=False, batch_size=4),
+                         model=model, tokenizer=tokenizer, log=lambda *a: None)
+    assert summary["num_written"] == 8
+    again = [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()]
+    assert [r["conversations"] for r in again] == [r["conversations"] for r in records]  # answered at T=0 already
+    prepared = prepare([tmp_path / "tp.jsonl"], tiny_random_target_dir(), tmp_path / "prepared", log=lambda *a: None)
+    assert prepared.report["num_samples"] == 8
+
+
+def test_a_stopped_run_resumes_to_the_records_of_an_uninterrupted_one(tmp_path, writer_target):
+    whole = run(tmp_path / "whole.jsonl", writer_target, limit=7)
+    part = tmp_path / "part.jsonl"
+    run(part, writer_target, limit=3)
+    with open(part, "a", encoding="utf-8") as handle:  # a run killed while it wrote a line
+        handle.write('{"id": "target-prompts:3:9", "source": "target-pro')
+    assert run(part, writer_target, limit=7) == whole
+
+
+def test_an_output_of_something_else_is_refused_and_left_as_it_was(tmp_path, writer_target):
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}')
+    with pytest.raises(InputError, match=r"mine.jsonl:1: not a target-prompts record"):
+        run(mine, writer_target)
+    assert mine.read_text().endswith('"yo"}]}')
+    seeded = tmp_path / "seeded.jsonl"
+    run(seeded, writer_target, limit=1)
+    before = seeded.read_bytes()
+    with pytest.raises(InputError, match="of --seed 4"):
+        run(seeded, writer_target, seed=4)
+    assert seeded.read_bytes() == before
+
+
+def test_turn_filters():
+    assert turn_problem("What is the capital of France?", stopped=True) is None
+    assert turn_problem("What is the capital of", stopped=False) == "truncated"
+    assert turn_problem(" ", stopped=True) == "empty"
+    for refusal in ("I'm sorry, but I can't help with that.", "As an AI language model, I", "Sure! Here is a poem",
+                    "Certainly, here's the code", "I cannot do that."):
+        assert turn_problem(refusal, stopped=True) == "refusal", refusal
+    assert turn_problem("Can you help me sort a list in Python?", stopped=True) is None
+    assert turn_problem("Surely the sun is a star?", stopped=True) is None
+
+
+def test_deduplication_of_first_user_turns():
+    dedup = Deduplicator(0.8)
+    first = "How do I reverse a linked list in Python without recursion and in place?"
+    assert dedup.check_and_add("0", first) is None
+    assert dedup.check_and_add("1", "how do I reverse a linked list in python, without recursion and in place") \
+        == "exact duplicate"  # the same words, case and punctuation aside
+    assert dedup.check_and_add("2", "How do I reverse a linked list in Python without recursion and in place? "
+                                    "Thanks") == "near duplicate"
+    assert dedup.check_and_add("3", "Write a haiku about the first snow of the winter in the mountains.") is None
+    assert dedup.check("Write a haiku about the first snow of the winter in the mountains") == "exact duplicate"
+    assert dedup.check("What are three good books about the history of mathematics for a beginner?") is None
+
+
+class Scripted:
+    """A responder that answers from a script: key -> (text, stopped) by call order per key."""
+
+    def __init__(self, script):
+        self.script, self.queue, self.capacity = script, [], 8
+
+    def submit(self, key, text, ids, seed):
+        self.queue.append(key)
+
+    def poll(self):
+        out = [(key, *self.script[key].pop(0), []) for key in self.queue]
+        self.queue = []
+        return out
+
+
+def test_the_writer_drops_and_cuts_by_the_filters_and_keeps_the_first_copy(smollm2_tokenizer):
+    user = {0: [("Explain recursion to a child.", True), ("And iteration?", True)],
+            1: [("Explain recursion to a child!", True)],  # a copy of 0: dropped
+            2: [("I'm sorry, I can't help.", True)],  # the target answered instead of asking
+            3: [("A question that runs on and", False)],  # truncated
+            4: [("Name three rivers of Europe.", True), ("", True)],  # its second turn is empty: cut before it
+            5: [("What is a monad?", True)]}
+    answers = {0: [("A function that calls itself.", True), ("Doing it again and again.", True)],
+               1: [("A function that calls itself!", True)],
+               4: [("The Danube, the Rhine and the Loire.", True)],
+               5: [("", True)]}  # an empty answer: the conversation has nothing, dropped
+    counts = {}
+    writer = Writer(Template(smollm2_tokenizer, "smollm2"), Scripted(user), Scripted(answers),
+                    options(max_turns=2, system_share=0.0), counts)
+    conversations = [Conversation(i, 2 if i in (0, 4) else 1, False) for i in range(6)]
+    kept = writer.write(conversations, Deduplicator(0.8))
+    assert [c.index for c in kept] == [0, 4]
+    assert [m["role"] for m in kept[0].messages] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in kept[1].messages] == ["Name three rivers of Europe.",
+                                                        "The Danube, the Rhine and the Loire."]
+    assert counts == {"exact duplicate": 1, "refusal": 1, "truncated": 1, "user turns dropped: empty": 1,
+                      "empty answer": 1}
+
+
+@pytest.mark.parametrize("template", ["smollm2", "llama3", "qwen3"])
+def test_every_chat_template_opens_a_user_turn_after_its_own_start(smollm2_path, template):
+    tokenizer = load_tokenizer(smollm2_path, template)
+    opening = Template(tokenizer, template).opening([], "user")
+    default_system = {"smollm2": "You are a helpful AI assistant named SmolLM", "llama3": "Cutting Knowledge Date",
+                      "qwen3": None}[template]
+    if default_system:
+        assert default_system in opening  # a template's own system prompt is kept
+    assert opening.rstrip().endswith(("user", "user<|end_header_id|>"))
+    after = Template(tokenizer, template).opening([{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Hello!"}], "user")
+    assert after.startswith(opening.split("Hi")[0][:20]) and "Hello!" in after
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_words(smollm2_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.chat_template = None
+    with pytest.raises(DataError, match="its tokenizer has no chat template"):
+        Template(tokenizer, "plain")
+
+
+def test_the_command_checks_its_options_before_anything_loads(tmp_path, capsys):
+    out = tmp_path / "tp.jsonl"
+    assert main(["data", "source", "--source", "target-prompts", "--out", str(out), "--limit", "3"]) == 2
+    assert "--target: give the target model folder" in capsys.readouterr().err
+    assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out)]) == 2
+    assert "give --limit N" in capsys.readouterr().err
+    assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out), "--limit", "3",
+                 "--temperature", "0"]) == 2
+    assert "--temperature must be > 0" in capsys.readouterr().err
+    assert main(["data", "source", "--source", "word-problems", "--limit", "3", "--out", str(out),
+                 "--turns", "2"]) == 2
+    assert "--turns: options of --source target-prompts, not of word-problems" in capsys.readouterr().err
+    assert not out.exists()
