@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch._dynamo.utils import counters
 
 from dflash_train.bench.flops import Shape, WorkCount, useful_flops
 from dflash_train.bench.workloads import (
@@ -50,6 +49,10 @@ def warm_up_steps(run, counter, step, num_warmup: int, log) -> None:
 
 def compiled_graph_count() -> int:
     """Graphs torch.compile has compiled in this process so far."""
+    # torch._dynamo takes over a second to import: the bench's processes compile anyway, the
+    # other commands that import this module do not.
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 

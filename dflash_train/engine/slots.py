@@ -15,8 +15,8 @@ depend only on its prompt, seed and budget.
 The host's bookkeeping is per step, not per row: each slot's request, position, output and
 budget live in numpy arrays, a step's tokens are written into its rows' outputs in one
 assignment, and the stop and budget checks are array operations; Python touches a row only when
-it joins or leaves (at 1,024 rows, 0.21 ms of host time a step against 0.61 for a loop over the
-rows, on a 2-core CPU with a stub engine: docs/PERFORMANCE.md).
+it joins or leaves (a third of the host time of a loop over the rows at 1,024 rows:
+docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -139,9 +139,8 @@ class SlotDecoder:
         and prefilled in as few forwards as fit `prefill_tokens` padded tokens each (a group
         pads its prompts to its longest, the last one), their first tokens read once for all the
         groups. An eager prefill forward of a small target costs its host time (its launches),
-        not its padded tokens: on the H200, groups split to pad less made the refills slower
-        (on the first 3,000 ShareGPT chats with a stub engine, 706 forwards at 1.17 padded
-        tokens per prompt token; this rule: 465 at 1.43; docs/PERFORMANCE.md)."""
+        not its padded tokens: groups split to pad less made the refills slower, by more
+        forwards for less padding (docs/PERFORMANCE.md)."""
         live = self.num_live
         free = self.max_rows - live
         if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
