@@ -6,11 +6,12 @@ served tau printed last)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from dflash_train.app import cli, commands, recipe
-from dflash_train.app.recipe import GpuDefault
+from dflash_train.app.recipe import Recipe
 
 TINY = "bundled:tiny-random-llama"
 
@@ -18,10 +19,10 @@ TINY = "bundled:tiny-random-llama"
 def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch, capsys, tmp_path):
     plans, configs = [], []
     monkeypatch.setattr(commands, "gpu_default_applies", lambda: True)
-    monkeypatch.setattr(recipe, "run_gpu_default", lambda plan: plans.append(plan) or 0)
+    monkeypatch.setattr(recipe, "run_recipe", lambda plan: plans.append(plan) or 0)
     monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: configs.append(cfg))
     assert cli.main(["train"]) == 0
-    assert plans == [GpuDefault()] and configs == []
+    assert plans == [Recipe()] and configs == []
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("dflash-train train: the embedded default on a GPU: the quality recipe")
     assert "6,000 bundled ShareGPT conversations" in first and "train.device=cpu" in first
@@ -34,6 +35,83 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
     assert cli.main(["train"]) == 0
     assert len(plans) == 2 and len(configs) == 2
     assert "a smoke-sized run" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_target_given_alone_runs_the_recipe_on_its_own_data(monkeypatch, capsys, tmp_path):
+    """`train target.path=DIR` with no data and no config: the recipe on data the target makes
+    itself, sized for the device, `train.max_time_s` its budget; a data path, another setting or
+    a config file keep the run the user described."""
+    plans, configs = [], []
+    monkeypatch.setattr(commands, "gpu_default_applies", lambda: False)
+    monkeypatch.setattr(recipe, "run_recipe", lambda plan: plans.append(plan) or 0)
+    monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: configs.append(cfg))
+    assert cli.main(["train", f"target.path={TINY}", "train.device=cpu", "train.max_time_s=900",
+                     "--output-dir", str(tmp_path / "own")]) == 0
+    assert plans == [Recipe.own_data(TINY, "cpu", str(tmp_path / "own"), 900.0)] and configs == []
+    assert plans[0].target_prompts > 0 and plans[0].records > 0 and plans[0].device == "cpu"
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"dflash-train train: no data given: {TINY} writes ")
+    for described in ([f"target.path={TINY}", "data.paths=[bundled:sharegpt]"],
+                      [f"target.path={TINY}", "optim.lr=1e-3"]):
+        assert cli.main(["train", *described]) == 0
+    assert len(plans) == 1 and len(configs) == 2
+    assert cli.main(["train", "--config", "configs/tiny.yaml", f"target.path={TINY}"]) == 0
+    assert len(plans) == 1 and len(configs) == 3
+    capsys.readouterr()
+    assert cli.main(["train", f"target.path={TINY}", "train.max_time_s=soon"]) == 2  # said as any other
+    assert "command line override train.max_time_s" in capsys.readouterr().err and len(plans) == 1
+
+
+@pytest.mark.slow
+def test_a_target_alone_makes_its_data_trains_and_serves_on_cpu(tmp_path, monkeypatch):
+    """The own-data plan of a CPU end to end on the tiny target: it cannot write a usable
+    conversation of its own (said, and the run goes on), the bundled chats and word problems
+    answered by it (sampled: at T=0 the random weights answer blank lines), a drafter trained
+    and served; the rerun finds the data made."""
+    import dataclasses
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    plan = dataclasses.replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), records=6, steps=4,
+                               regen_temperature=5.0, eval_every=2, validation=2, target_prompts=4,
+                               prompt_max_candidates=8, max_new_tokens=8)
+    said: list[str] = []
+    assert recipe.run_recipe(plan, log=said.append) == 0
+    assert any("conversations kept; the target writes too few usable turns" in line and "going on without them"
+               in line for line in said)
+    assert any(line.startswith("dflash-train train: regenerated 6 conversations") for line in said)
+    run = tmp_path / "run"
+    config = (run / "config.yaml").read_text()
+    assert str(run / "target-data") in config and "word-problems" in config
+    assert (run / "drafter" / "config.json").is_file() and (run / "eval.json").is_file()
+    assert said[-1].startswith("dflash-train train: served tau mt-bench ")
+    said.clear()
+    assert recipe.run_recipe(plan, log=said.append) == 0
+    assert any("already holds 6 regenerated conversations" in line for line in said)
+
+
+def test_data_stages_past_the_budget_are_not_started(tmp_path, monkeypatch):
+    """Once the data's share of the budget is spent, the stages after the one running are not
+    started (no prompts written, no target loaded), each said in a line; what was made is kept."""
+    import time
+
+    plan = Recipe.own_data(TINY, "cpu", str(tmp_path / "run"))
+    started: list[str] = []
+
+    def regenerate_up_to(plan, data, out, *args):
+        started.append(out.name)
+        out.write_text("{}\n")
+        return False
+
+    monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
+    monkeypatch.setattr(recipe.target_prompts, "write_target_prompts", lambda *a, **k: started.append("own"))
+    monkeypatch.setattr(recipe.sources, "write_source", lambda *a, **k: started.append("source"))
+    said: list[str] = []
+    assert recipe.make_data(plan, 8, time.time() - 1, said.append) == [plan.regenerated_path()]
+    assert started == [plan.regenerated_path().name]
+    assert said == ["dflash-train train: the data's share of the budget is spent; the target's own conversations "
+                    "are not made",
+                    "dflash-train train: the data's share of the budget is spent; the word-problems prompts are not "
+                    "made"]
 
 
 def test_gpu_default_applies_only_to_one_process_with_a_gpu(monkeypatch):
@@ -49,28 +127,33 @@ def test_gpu_default_applies_only_to_one_process_with_a_gpu(monkeypatch):
 
 def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
-    path = GpuDefault().regenerated_path()
+    path = Recipe().regenerated_path()
     assert path == tmp_path / "regenerated" / "smollm2-135m-instruct-sharegpt-new320-prompt1024-t0.jsonl"
-    assert GpuDefault(max_new_tokens=512).regenerated_path() != path
-    assert GpuDefault(target="/models/Qwen3 8B", data="/d/chats.jsonl").regenerated_path().name == \
+    assert Recipe(max_new_tokens=512).regenerated_path() != path
+    assert Recipe(target="/models/Qwen3 8B", data="/d/chats.jsonl").regenerated_path().name == \
         "models-Qwen3-8B-chats-new320-prompt1024-t0.jsonl"
-    overrides = GpuDefault().train_overrides()
+    overrides = Recipe().train_overrides()
     assert overrides[: len(recipe.QUALITY_TRAIN_ARGS)] == list(recipe.QUALITY_TRAIN_ARGS)
     assert "checkpoint.keep_best=true" in overrides
     # the recipe's prompt sources: prompts and answers beside the chats, named by what makes them
-    prompts = GpuDefault().source_prompts("word-problems", 4_000)
+    prompts = Recipe().source_prompts("word-problems", 4_000)
     assert prompts == tmp_path / "regenerated" / "sources" / "word-problems-4000.jsonl"
     prompts.parent.mkdir(parents=True)
     prompts.write_text('{"id": "a"}\n')
-    answered = GpuDefault().source_answers("word-problems", 4_000, prompts)
+    answered = Recipe().source_answers("word-problems", 4_000, prompts)
     assert answered.parent == path.parent and answered.name.startswith("smollm2-135m-instruct-word-problems-4000-")
     assert answered.name.endswith("-new320-prompt1024-t0.jsonl")
-    assert GpuDefault(regen_temperature=0.7).source_answers("word-problems", 4_000, prompts) != answered
+    assert Recipe(regen_temperature=0.7).source_answers("word-problems", 4_000, prompts) != answered
     prompts.write_text('{"id": "b"}\n')  # other prompts (another Python, other packages): another file
-    assert GpuDefault().source_answers("word-problems", 4_000, prompts) != answered
-    with_sources = GpuDefault().train_overrides([answered, tmp_path / "b.jsonl"])
+    assert Recipe().source_answers("word-problems", 4_000, prompts) != answered
+    with_sources = Recipe().train_overrides([path, answered, tmp_path / "b.jsonl"], max_time_s=77)
     assert f"data.paths=[{path},{answered},{tmp_path / 'b.jsonl'}]" in with_sources
+    assert "train.max_time_s=77" in with_sources and "train.max_time_s=600" in overrides
     assert f"data.paths=[{path}]" in overrides  # none given: the chats alone
+    own = Recipe.own_data("/models/Qwen3 8B", "cuda")  # a target alone: its data in its run folder
+    assert own.output_dir == "runs/models-Qwen3-8B" and own.data_root() == Path("runs/models-Qwen3-8B/target-data")
+    assert own.target_prompts > 0 and own.budget_s == recipe.OWN_DATA_BUDGET_S
+    assert own.target_prompt_path().parent == own.data_root() == own.regenerated_path().parent
 
 
 def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():
@@ -84,7 +167,7 @@ def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_mem
         recipe.check_gpu_memory(24 * 2**30)
     assert "this GPU has 24.0 GiB" in str(err.value) and "dflash-train train train.device=cuda" in str(err.value)
     config = AutoConfig.from_pretrained(resolve_target_path(TINY))  # 4 layers, 2 key/value heads of 16
-    plan = GpuDefault(max_prompt_length=1022, max_new_tokens=0)  # 1,024 columns a row
+    plan = Recipe(max_prompt_length=1022, max_new_tokens=0)  # 1,024 columns a row
     per_row = 2 * 4 * 2 * 16 * 1024 * 2  # keys and values, layers, heads, head size, columns, bf16 bytes
     assert recipe.regen_rows(plan, 10_000 * per_row, config) == 1024  # room to spare: the plan's rows
     assert recipe.regen_rows(plan, 2 * 700 * per_row, config) == 640  # half the free memory, a multiple of 64
@@ -95,13 +178,13 @@ def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_mem
 def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     """Regenerate 6 conversations, train 4 steps (validation walked every 2), serve 2 records of
     each set; the rerun reuses the regenerated file and the finished training."""
-    plan = GpuDefault(target=TINY, records=6, max_new_tokens=8, regen_temperature=5.0, regen_batch_size=8,
+    plan = Recipe(target=TINY, records=6, max_new_tokens=8, regen_temperature=5.0, regen_batch_size=8,
                       regenerated=str(tmp_path / "regen.jsonl"), sources=(("word-problems", 3),),
                       output_dir=str(tmp_path / "run"), steps=4,
                       validation=2, eval_every=2, train_args=(), eval_limit=2, eval_max_new_tokens=16,
                       speedup_turns=1, workers=1, eval_batch_size=2, device="cpu")
     said: list[str] = []
-    assert recipe.run_gpu_default(plan, log=said.append) == 0
+    assert recipe.run_recipe(plan, log=said.append) == 0
     assert sum(1 for _ in open(tmp_path / "regen.jsonl")) == 6
     assert any(line.startswith("dflash-train train: regenerated 6 conversations") for line in said)
     prompts = plan.source_prompts("word-problems", 3)
@@ -119,7 +202,7 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     assert said[-1] == recipe.served_line(result, run / "drafter")
     assert said[-1].startswith("dflash-train train: served tau mt-bench ")
     said.clear()
-    assert recipe.run_gpu_default(plan, log=said.append) == 0
+    assert recipe.run_recipe(plan, log=said.append) == 0
     assert f"dflash-train train: {tmp_path / 'regen.jsonl'} already holds 6 regenerated conversations" in said
     assert f"dflash-train train: {answered} already holds 3 regenerated word-problems records" in said
     assert said[-1].startswith("dflash-train train: served tau mt-bench ")

@@ -121,6 +121,23 @@ def test_resume_after_interruption_equals_one_run(tmp_path, tiny_target):
     assert run([src], tiny_target, parts, batch_size=2)["num_written"] == 0  # already complete
 
 
+def test_a_deadline_ends_the_run_with_what_it_wrote_and_a_rerun_completes_it(tmp_path, tiny_target):
+    """RegenerationOptions.deadline (the recipe's data budget): past it no more turns are taken,
+    the records finished are written, `out_of_time` says why, and the rerun resumes to the file
+    of a run without a deadline."""
+    import time
+
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)
+    whole = tmp_path / "whole.jsonl"
+    run([src], tiny_target, whole, batch_size=2)
+    boxed = tmp_path / "boxed.jsonl"
+    summary = run([src], tiny_target, boxed, batch_size=2, deadline=time.time() - 1)
+    assert summary["out_of_time"] and not summary.get("stopped")
+    assert summary["num_written"] < 9 and len(boxed.read_text().splitlines()) == summary["num_written"]
+    run([src], tiny_target, boxed, batch_size=2)
+    assert boxed.read_text() == whole.read_text()
+
+
 def test_output_from_other_input_is_refused(tmp_path, tiny_target):
     out = write_jsonl(tmp_path / "out.jsonl", [SHAREGPT[5]])
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT)

@@ -108,6 +108,17 @@ def test_a_stopped_run_resumes_to_the_records_of_an_uninterrupted_one(tmp_path, 
     assert run(part, writer_target, limit=7) == whole
 
 
+def test_a_deadline_stops_between_chunks_and_the_rerun_goes_on(tmp_path, writer_target):
+    import time
+
+    model, tokenizer = writer_target
+    out = tmp_path / "boxed.jsonl"
+    counts = write_target_prompts(TINY, out, options(deadline=time.time() - 1), model=model, tokenizer=tokenizer,
+                                  log=lambda *a: None)
+    assert counts["out_of_time"] and counts["kept"] == 0 and not out.exists()
+    assert run(out, writer_target) == run(tmp_path / "whole.jsonl", writer_target)
+
+
 def test_an_output_of_something_else_is_refused_and_left_as_it_was(tmp_path, writer_target):
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}')
@@ -219,3 +230,24 @@ def test_the_command_checks_its_options_before_anything_loads(tmp_path, capsys):
                  "--turns", "2"]) == 2
     assert "--turns: options of --source target-prompts, not of word-problems" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_two_engines_caches_are_checked_together_before_anything_is_written(tmp_path, writer_target,
+                                                                                monkeypatch):
+    """The sampling and the answering engine hold their key/value caches at once: rows that fit
+    one engine's caches but not both are refused with the largest batch that fits both, and
+    nothing is written."""
+    from dflash_train.data import responders
+    from dflash_train.engine import decode
+
+    model, _ = writer_target
+    per_row = decode.kv_bytes_per_row(model.config, 24 + 256 + 2, torch.float32) + decode.kv_bytes_per_row(
+        model.config, 8 + 256 + 2, torch.float32)
+    monkeypatch.setattr(responders, "free_memory_bytes", lambda device: int(5.5 * per_row / 0.9))
+    out = tmp_path / "tp.jsonl"
+    with pytest.raises(DataError) as err:
+        run(out, writer_target, batch_size=8)
+    assert str(err.value).startswith("--batch-size 8: the decoding engine's key/value caches for 8 rows of 282 + 266 "
+                                     "positions take ") and "lower --batch-size to at most 5" in str(err.value)
+    assert not out.exists()
+    assert len(run(out, writer_target, batch_size=5)) == 6

@@ -44,13 +44,18 @@ from dflash_train.train.plot import summary_lines, write_report
 
 
 def run_train(args) -> int:
-
+    """`dflash-train train`: with no arguments on a GPU the recipe; with a target alone (no data
+    and no config) the recipe on data the target makes itself; otherwise the run the config and
+    overrides describe."""
     overrides = list(args.overrides)
     if args.config is None and not overrides and gpu_default_applies():
-
-        plan = recipe.GpuDefault(**({"output_dir": args.output_dir} if args.output_dir else {}))
+        plan = recipe.Recipe(**({"output_dir": args.output_dir} if args.output_dir else {}))
         print(recipe.notice(plan), flush=True)
-        return recipe.run_gpu_default(plan)
+        return recipe.run_recipe(plan)
+    own = own_data_plan(args) if args.config is None else None
+    if own is not None:
+        print(recipe.own_data_notice(own), flush=True)
+        return recipe.run_recipe(own)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     cfg = load_config(args.config, overrides)
@@ -60,11 +65,25 @@ def run_train(args) -> int:
     return 0
 
 
+# The overrides a target given alone may come with; anything else is a run of the user's own design.
+OWN_DATA_KEYS = ("target.path", "train.device", "train.max_time_s")
+
+
+def own_data_plan(args) -> recipe.Recipe | None:
+    """The recipe on the target's own data when the overrides name `target.path` and nothing but
+    OWN_DATA_KEYS (no data.paths): the device's sizes, `train.max_time_s` as the budget of the
+    data and the training together. Other override sets: None."""
+    settings = dict(item.split("=", 1) for item in args.overrides if "=" in item)
+    if "target.path" not in settings or set(settings) - set(OWN_DATA_KEYS) or len(settings) != len(args.overrides):
+        return None
+    cfg = load_config(None, list(args.overrides))  # checked as any override is
+    device = resolve_device(cfg.train.device)
+    return recipe.Recipe.own_data(cfg.target.path, device.type, args.output_dir, cfg.train.max_time_s)
+
+
 def gpu_default_applies() -> bool:
-    """The embedded default runs the quality recipe (recipe.GpuDefault) where a CUDA GPU is
+    """The embedded default runs the quality recipe (recipe.Recipe) where a CUDA GPU is
     visible and the process is not one rank of several (torchrun keeps the smoke-sized run)."""
-
-
     return torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 

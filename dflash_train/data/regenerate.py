@@ -72,8 +72,10 @@ class RegenerationOptions:
     `batch_size` turns decoded at once (engine rows; fewer when the job has fewer turns) on
     `device`, in `workers` processes, with CUDA graphs (`graphs`) and the next step queued early
     (`overlap`); `window` conversations in flight (None: twice the turns the responder takes at
-    once). How much: at most `limit` more records (None: every record). A progress line comes
-    every `progress_every_s` seconds."""
+    once). How much: at most `limit` more records (None: every record), and none started after
+    `deadline` (a time.time() instant; None: no time box: the records finished by then are
+    written, `out_of_time` in the summary, and the same job resumes later). A progress line
+    comes every `progress_every_s` seconds."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -88,6 +90,7 @@ class RegenerationOptions:
     window: int | None = None
     limit: int | None = None
     progress_every_s: float = 10.0
+    deadline: float | None = None
 
     def decoding(self, rows: int) -> Decoding:
         """What a responder answers each turn with, `rows` turns at once."""
@@ -191,6 +194,10 @@ def keep_ahead(out: Path, kept: dict[int, str], written: int) -> int:
 
 class _Stopped(Exception):
     """A signal asked the one-process regeneration to stop (StopFlag)."""
+
+
+class _OutOfTime(Exception):
+    """RegenerationOptions.deadline passed: the stream ends as a stop does, and no signal is said."""
 
 
 class _StopFlag(StopFlag):
@@ -612,6 +619,8 @@ def _write_stream(job: _Job, responder: Responder, tokenizer, options: Regenerat
             last_log[0] = time.perf_counter()
         if signals is not None and signals.requested:
             raise _Stopped  # out of the stream: what finished ahead stays in `kept`
+        if options.deadline is not None and time.time() >= options.deadline:
+            raise _OutOfTime
 
     try:
         for line in regenerate_stream(responder, tokenizer, job.records[job.done:job.stop], job.done, options,
@@ -620,6 +629,8 @@ def _write_stream(job: _Job, responder: Responder, tokenizer, options: Regenerat
             summary["num_written"] += 1
     except _Stopped:
         summary["stopped"] = signals.requested
+    except _OutOfTime:
+        summary["out_of_time"] = True
     finally:
         if signals is not None:
             signals.restore()

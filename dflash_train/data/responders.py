@@ -139,23 +139,24 @@ class ServerResponder:
 CACHE_MEMORY_SHARE = 0.9  # of the free memory, at most, for the engine's key/value caches
 
 
-def check_cache_memory(model, device, decoding: Decoding) -> None:
-    """The engine allocates key/value caches for `decoding.rows` rows of max_prompt_length +
-    max_new_tokens positions up front: where they would not fit in the memory free on the
-    device, a DataError says how much they need and the largest --batch-size that fits,
-    instead of the process dying of an out-of-memory kill."""
+def check_cache_memory(model, device, *decodings: Decoding) -> None:
+    """The engines of `decodings` (allocated together) hold key/value caches for `rows` rows of
+    max_prompt_length + max_new_tokens positions each: where they would not fit in the memory free
+    on the device, a DataError says how much they need and the largest --batch-size that fits,
+    instead of the process dying of an out-of-memory error."""
     free = free_memory_bytes(device)
     if free is None:
         return
-    capacity = decoding.positions
-    per_row = kv_bytes_per_row(model.config, capacity, next(model.parameters()).dtype)
-    rows = int(decoding.rows)
+    dtype = next(model.parameters()).dtype
+    per_row = sum(kv_bytes_per_row(model.config, decoding.positions, dtype) for decoding in decodings)
+    rows = max(int(decoding.rows) for decoding in decodings)
     if rows * per_row <= CACHE_MEMORY_SHARE * free:
         return
     fit = int(CACHE_MEMORY_SHARE * free // per_row)
     hint = (f"lower --batch-size to at most {fit if fit < 64 else fit // 64 * 64} (or shorten --max-prompt-length / "
             f"--max-new-tokens)" if fit >= 1 else "no row fits: lower --max-prompt-length or --max-new-tokens")
-    raise DataError(f"--batch-size {rows}: the decoding engine's key/value caches for {rows} rows of {capacity:,} "
+    positions = " + ".join(f"{decoding.positions:,}" for decoding in decodings)
+    raise DataError(f"--batch-size {rows}: the decoding engine's key/value caches for {rows} rows of {positions} "
                     f"positions take {rows * per_row / 2**30:.1f} GiB on {device.type}, and {free / 2**30:.1f} GiB "
                     f"are free there; {hint}")
 

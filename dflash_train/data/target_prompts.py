@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from datasketch import MinHash, MinHashLSH
 from transformers import AutoTokenizer
 
 from dflash_train.core.devices import resolve_device
@@ -84,6 +83,12 @@ class TargetPromptOptions:
     """Turns decoded at once on the engine."""
     device: str = "auto"
     graphs: bool = True
+    deadline: float | None = None
+    """No chunk of candidates starts after this time.time() instant (None: no time box); the
+    records written by then stay, and the same command resumes."""
+    max_candidates: int | None = None
+    """Candidates tried before a target that writes too little is given up (None: 20 per record
+    asked for, at least 1,000)."""
 
     def problems(self) -> list[str]:
         p = []
@@ -121,6 +126,10 @@ class Deduplicator:
     """Exact and near duplicates among the first user turns of the records kept so far."""
 
     def __init__(self, threshold: float) -> None:
+        # datasketch (and the scipy it loads) only where this source runs: a command's start-up
+        # would pay for it otherwise.
+        from datasketch import MinHashLSH
+
         self.exact: set[str] = set()
         self.lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM)
 
@@ -145,7 +154,10 @@ def normalise(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
-def minhash(normal: str) -> MinHash:
+def minhash(normal: str):
+    """The MinHash signature of a normalised text's word shingles."""
+    from datasketch import MinHash  # loaded with the Deduplicator: see there
+
     words = normal.split()
     shingles = [" ".join(words[i:i + SHINGLE_WORDS]) for i in range(max(1, len(words) - SHINGLE_WORDS + 1))]
     signature = MinHash(num_perm=NUM_PERM, seed=1)
@@ -396,8 +408,7 @@ def responders(model, tokenizer, options: TargetPromptOptions) -> tuple[LocalRes
     sampled = Decoding(options.max_prompt_tokens, options.max_length, options.temperature, options.top_p,
                        rows=options.batch_size, graphs=options.graphs)
     greedy = Decoding(options.max_new_tokens, options.max_length, rows=options.batch_size, graphs=options.graphs)
-    for decoding in (sampled, greedy):
-        check_cache_memory(model, device, decoding)
+    check_cache_memory(model, device, sampled, greedy)  # both engines hold their caches at once
     return LocalResponder(model, tokenizer, sampled), LocalResponder(model, tokenizer, greedy)
 
 
@@ -406,8 +417,11 @@ def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log
     records are appended as it finishes (a stop loses at most the chunk in flight)."""
     options, counts = writer.options, writer.counts
     chunk, started, shown = 4 * options.batch_size, time.perf_counter(), time.perf_counter()
-    give_up = max(1000, 20 * options.limit)  # a target that writes nothing usable ends the run, said
+    give_up = options.max_candidates or max(1000, 20 * options.limit)  # a target that writes nothing usable
     while counts["kept"] < options.limit:
+        if options.deadline is not None and time.time() >= options.deadline:
+            counts["out_of_time"] = 1
+            break
         if counts["candidates"] >= give_up:
             raise DataError(f"{SOURCE}: {counts['kept']} of {counts['candidates']:,} conversations kept; the target "
                             f"writes too few usable turns ({drop_summary(counts)}): try another --temperature / "
@@ -426,5 +440,5 @@ def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log
 
 
 def drop_summary(counts: dict[str, int]) -> str:
-    dropped = {k: v for k, v in counts.items() if k not in ("kept", "candidates") and v}
+    dropped = {k: v for k, v in counts.items() if k not in ("kept", "candidates", "out_of_time") and v}
     return ", ".join(f"{v:,} {k}" for k, v in sorted(dropped.items())) or "none dropped"
