@@ -147,7 +147,8 @@ def test_two_targets_split_fc_sigterm_to_one_rank_then_exact_resume(reference, t
              "train.grad_accum=2", "checkpoint.every=100")
     first = run(torchrun(tmp_path, 3, *setup, "faults.sigterm_at_steps=[7]", "faults.on_ranks=[1]"))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "a signal to another rank received: saving a checkpoint at step" in first.stdout
+    assert "a signal to another rank received: the run stopped after step" in first.stdout
+    assert "the same command resumes from it: the same torchrun launch of -m dflash_train train" in first.stdout
     saved = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and 1 <= saved[0] <= 7, saved
     assert not (tmp_path / "drafter").exists()

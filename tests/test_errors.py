@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, subprocess_env
 from dflash_train.app import cli
 from dflash_train.core.errors import BAD_INPUT, FAILED
 
@@ -72,7 +75,38 @@ def ws(tmp_path_factory):
     run = root / "run-accum-2"
     assert cli.main(["train", "--config", str(TINY), "--output-dir", str(run), "train.max_steps=1",
                      "train.grad_accum=2", "data.limit=16"]) == 0
-    return SimpleNamespace(root=root, target=str(target_dir), drafters=drafters, run=run)
+    targets = broken_targets(root / "targets", Path(target_dir))
+    (root / "mine.jsonl").write_bytes(json.dumps(CHAT).encode())  # the user's own file, its last line cut
+    holders = [hold_lock(root / "busy-run" / ".dflash-train.lock"), hold_lock(root / ".taken.jsonl.lock")]
+    yield SimpleNamespace(root=root, target=str(target_dir), drafters=drafters, run=run, targets=targets)
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+
+
+def broken_targets(root: Path, good: Path) -> SimpleNamespace:
+    """Target folders that are wrong in one way each, made from the tiny target."""
+    folders = SimpleNamespace(**{name: root / name for name in ("config_only", "no_weights", "truncated")})
+    for folder in vars(folders).values():
+        folder.mkdir(parents=True)
+        shutil.copy(good / "config.json", folder / "config.json")
+    for name in ("no_weights", "truncated"):
+        for tokenizer_file in good.glob("tokenizer*"):
+            shutil.copy(tokenizer_file, getattr(folders, name) / tokenizer_file.name)
+    weights = (good / "model.safetensors").read_bytes()
+    (folders.truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    return folders
+
+
+def hold_lock(lock_file: Path) -> subprocess.Popen:
+    """A process that holds `lock_file` (as a run or a regeneration holds its own) until killed."""
+    script = ("import sys, time; from pathlib import Path; from dflash_train.core import locks\n"
+              "with locks.hold(Path(sys.argv[1]), 'it', 'wait'):\n"
+              "    print('held', flush=True); time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(lock_file)], env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
 
 
 def train(*args: str):
@@ -86,7 +120,7 @@ def prepare(data: str, target: str | None = None, out: str | None = None):
 
 def regenerate(*args: str, data: str = "{w.root}/chats.jsonl", out: str = "{tmp}/regen.jsonl"):
     return lambda w, tmp: ["data", "regenerate", "--data", data.format(w=w), "--target", TARGET,
-                           "--out", out.format(tmp=tmp), *(a.format(port=closed_port()) for a in args)]
+                           "--out", out.format(tmp=tmp, w=w), *(a.format(port=closed_port()) for a in args)]
 
 
 def evaluate(*args: str, drafter: str = "{w.drafters.good}", prompts: str = "mt-bench"):
@@ -129,6 +163,25 @@ ROWS = [
      BAD_INPUT, "resuming would change the global batch", False),
     ("train-unknown-flag", plain("train", "--no-such-flag"), BAD_INPUT, "unrecognized arguments: --no-such-flag",
      True),
+    ("train-target-with-only-a-config", train("target.path={w.targets.config_only}"), BAD_INPUT,
+     "no tokenizer (tokenizer.json, tokenizer.model or a vocabulary file)", True),
+    ("train-target-without-weights", train("target.path={w.targets.no_weights}"), BAD_INPUT,
+     "no weights (model.safetensors, or shards", True),
+    ("train-target-with-a-truncated-weight-file", train("target.path={w.targets.truncated}"), BAD_INPUT,
+     "model.safetensors is not a readable safetensors file", True),
+    ("train-target-is-a-drafter", train("target.path={w.drafters.good}"), BAD_INPUT,
+     "is a DFlash drafter folder, not a target model", True),
+    ("train-taps-out-of-order", train("drafter.target_layer_ids=[2,0]"), BAD_INPUT,
+     "drafter.target_layer_ids must be strictly increasing", True),
+    ("train-taps-repeated", train("drafter.target_layer_ids=[1,1]"), BAD_INPUT,
+     "drafter.target_layer_ids must be strictly increasing", True),
+    ("train-resume-with-another-architecture",
+     plain("train", "--config", str(TINY), "--output-dir", "{w.run}", "train.max_steps=2", "data.limit=16",
+           "train.grad_accum=2", "drafter.num_layers=2"),
+     BAD_INPUT, "which a resumed run cannot change: drafter.num_layers 1 -> 2; to continue that run, set them back "
+     "(drafter.num_layers=1), or to train with the new ones, choose another output_dir", True),
+    ("train-output-dir-in-use", plain("train", "--config", str(TINY), "--output-dir", "{w.root}/busy-run"),
+     BAD_INPUT, "/busy-run is in use by pid ", True),
     # export
     ("export-missing-checkpoint", plain("export", "--checkpoint", "{w.root}/nope", "--out", "{tmp}/d"), BAD_INPUT,
      "nope: no such folder; give a run's checkpoints/step-N folder", True),
@@ -137,6 +190,9 @@ ROWS = [
     ("export-over-a-folder-of-other-files",
      plain("export", "--checkpoint", "{w.run}/checkpoints/step-1", "--out", "{w.root}/busy"), BAD_INPUT,
      "holds files other than an exported drafter", True),
+    ("export-over-an-export-without-force",
+     plain("export", "--checkpoint", "{w.run}/checkpoints/step-1", "--out", "{w.drafters.good}"), BAD_INPUT,
+     "already holds an exported drafter, which this export would replace: pass --force", True),
     # data prepare
     ("prepare-folder-without-chat-files", prepare("{w.root}/no-chats"), BAD_INPUT, "folder holds no", True),
     ("prepare-empty-data-file", prepare("{w.root}/empty.jsonl"), BAD_INPUT, "no usable records", False),
@@ -144,6 +200,11 @@ ROWS = [
      "--target", True),
     ("prepare-unwritable-out", prepare("{w.root}/chats.jsonl", out="/proc/nope"), BAD_INPUT,
      "--out /proc/nope: cannot write in /proc", True),
+    ("prepare-every-record-over-the-limit",
+     lambda w, tmp: [*prepare("{w.root}/chats.jsonl")(w, tmp), "--max-record-bytes", "10"], BAD_INPUT,
+     "all 1 records were skipped (1 over-long record)", False),
+    ("prepare-target-with-only-a-config", prepare("{w.root}/chats.jsonl", target="{w.targets.config_only}"),
+     BAD_INPUT, "no tokenizer (tokenizer.json, tokenizer.model or a vocabulary file)", True),
     # data regenerate
     ("regenerate-server-on-a-closed-port", regenerate("--server", "http://127.0.0.1:{port}"), FAILED,
      "does not answer", False),
@@ -154,6 +215,10 @@ ROWS = [
      "--out /proc/nope/regen.jsonl: cannot write in /proc", True),
     ("regenerate-caches-beyond-memory", regenerate("--max-prompt-length", "1000000000"), BAD_INPUT,
      "no row fits: lower --max-prompt-length or --max-new-tokens", False),
+    ("regenerate-into-a-users-file-with-a-cut-line", regenerate(out="{w.root}/mine.jsonl"), BAD_INPUT,
+     "its last line is cut off (", True),
+    ("regenerate-output-in-use", regenerate(out="{w.root}/taken.jsonl"), BAD_INPUT, "taken.jsonl is in use by pid ",
+     True),
     # data source
     ("source-word-problems-without-limit", plain("data", "source", "--source", "word-problems", "--out",
                                                  "{tmp}/wp.jsonl"), BAD_INPUT, "give --limit N", True),
@@ -171,6 +236,9 @@ ROWS = [
     ("eval-drafter-for-another-vocabulary", evaluate(drafter="{w.drafters.small_vocab}"), BAD_INPUT,
      "vocabulary of 128 tokens != the target's", True),
     ("eval-missing-drafter", evaluate(drafter="{w.root}/nope"), BAD_INPUT, "nope: no such folder", True),
+    ("eval-target-with-a-truncated-weight-file",
+     lambda w, tmp: [a if a != TARGET else str(w.targets.truncated) for a in evaluate()(w, tmp)], BAD_INPUT,
+     "model.safetensors is not a readable safetensors file", True),
     ("eval-random-bytes-prompts", evaluate(prompts="{w.root}/random.jsonl"), BAD_INPUT, "random.jsonl: not UTF-8",
      True),
     ("eval-empty-prompts", evaluate(prompts="{w.root}/empty.jsonl"), BAD_INPUT, "no records", True),
@@ -222,6 +290,7 @@ def test_a_user_mistake_exits_with_one_clear_message(name, argv, status, fragmen
     if early:
         request.getfixturevalue("no_loading")
     args = argv(ws, tmp_path)
+    before = snapshot(ws.root)
     capsys.readouterr()
     try:
         got = cli.main(args)
@@ -236,6 +305,13 @@ def test_a_user_mistake_exits_with_one_clear_message(name, argv, status, fragmen
     assert "Traceback" not in said.out + said.err, said.err
     assert got == status, said.err
     assert fragment in said.err and f"dflash-train {command}: " in said.err, said.err
+    if status == BAD_INPUT and early:  # refused before anything: nothing on disk changed
+        assert snapshot(ws.root) == before, name
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file under `root`."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_the_table_covers_every_command_and_the_contract():

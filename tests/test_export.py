@@ -17,9 +17,12 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from conftest import ROOT, subprocess_env, tiny_target_config
+from dflash_train.core.config import ConfigError, load_config
 from dflash_train.core.drafter import (
+    NOT_INHERITED_ROPE,
     DFlashDrafter,
     build_drafter_config,
+    default_target_layer_ids,
     set_mask_token,
     tap_problem,
     with_legacy_fields,
@@ -74,13 +77,16 @@ CASES = {
     "llama3-scaled": dict(rope_parameters=dict(LLAMA3_ROPE)),
     "partial rotary": dict(rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
                                             "partial_rotary_factor": 0.5}),
+    "M-RoPE (a Qwen3.5-style target)": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                             "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
 }
 
 
 def _drafter_rope(case: str) -> dict:
-    """The drafter's RoPE for a target case: the target's, but whole heads rotate (a
-    partial_rotary_factor is read differently by transformers 4.x and 5.x; build_drafter_config)."""
-    return {k: v for k, v in CASES[case]["rope_parameters"].items() if k != "partial_rotary_factor"}
+    """The drafter's RoPE for a target case: the target's, but whole heads rotate in one
+    dimension (a partial_rotary_factor is read differently by transformers 4.x and 5.x, and vLLM
+    refuses M-RoPE keys; build_drafter_config)."""
+    return {k: v for k, v in CASES[case]["rope_parameters"].items() if k not in NOT_INHERITED_ROPE}
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +145,12 @@ def test_config_carries_both_rope_conventions_and_the_serving_fields(exports):
                                         "block_size": 4, "mask_token": "<|reserved_0|>"}
         assert cfg["dtype"] == cfg["torch_dtype"] == "float32"
         assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+        assert cfg["is_neox_style"] is True
+        ids = cfg["dflash_config"]["target_layer_ids"]
+        assert ids == sorted(set(ids)), name
         text = json.dumps(cfg)
         assert '"is_causal"' not in text and '"causal"' not in text and '"type"' not in text
+        assert "mrope" not in text, name
 
 
 def test_export_round_trips(exports):
@@ -166,6 +176,10 @@ def test_every_transformers_builds_the_trained_inverse_frequencies(exports, prob
         want = _trained_inv_freq(drafter)
         torch.testing.assert_close(torch.tensor(report["inv_freq"]), want, rtol=1e-6, atol=0, msg=name)
         assert report["attention_scaling"] == pytest.approx(Qwen3RotaryEmbedding(drafter.config).attention_scaling)
+        # The rules engines serve by, read back: neox-style rotation said, taps in layer order, no M-RoPE key.
+        assert report["is_neox_style"] is True, name
+        assert report["target_layer_ids"] == drafter.target_layer_ids == sorted(set(drafter.target_layer_ids))
+        assert not [k for k in report["rope_keys"] if k.startswith("mrope")], (name, report["rope_keys"])
 
 
 def test_without_the_legacy_fields_transformers_4_reads_another_base(exports, tmp_path):
@@ -274,3 +288,43 @@ def test_one_gguf_parse_shares_a_reader_per_file_and_restores_gguf():
     fresh = original(str(path))
     assert fresh.fields["tokenizer.ggml.tokens"].contents() == tokens and len(tokens) == 49152
     assert [t.name for t in fresh.tensors] == [t.name for t in first.tensors]
+
+
+def test_default_taps_are_strictly_increasing_for_every_target_size():
+    """The default rule gives distinct taps in layer order, none of the last layer, for every
+    target it accepts (shallow ones of 4-8 layers included), keeps the published rule where
+    that already does (Qwen3-8B: [1, 9, 17, 25, 33]), and refuses more taps than can be tapped."""
+    for layers in range(2, 97):
+        for taps in range(1, layers):
+            ids = default_target_layer_ids(layers, taps)
+            assert len(ids) == taps and ids == sorted(set(ids)) and tap_problem(ids, layers) is None, (layers, ids)
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(4, 2) == [0, 2] and default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+    assert default_target_layer_ids(8, 6) == [0, 1, 2, 4, 5, 6]
+    for layers, taps in ((4, 4), (1, 1), (8, 8)):
+        with pytest.raises(ValueError, match="the last cannot|cannot be tapped"):
+            default_target_layer_ids(layers, taps)
+
+
+def test_taps_out_of_layer_order_are_refused_at_config_and_at_load(tmp_path):
+    """Taps that serving engines would capture in another order (or once for a repeat) are
+    refused in the config (before anything loads), when a drafter is configured, and when a
+    folder is loaded; so are a drafter config with M-RoPE keys or is_neox_style false."""
+    for ids in ([3, 1], [1, 1]):
+        with pytest.raises(ConfigError, match="drafter.target_layer_ids must be strictly increasing"):
+            load_config(None, [f"drafter.target_layer_ids=[{ids[0]},{ids[1]}]"])
+        with pytest.raises(ValueError, match="serving engines capture the taps in layer order"):
+            build_drafter_config(tiny_target_config(), mask_token_id=127, target_layer_ids=ids)
+    _drafter(tiny_target_config(), num_layers=1, target_layer_ids=[1, 3]).save_pretrained(tmp_path)
+    good = json.loads((tmp_path / "config.json").read_text())
+    edits = {"repeated taps": lambda c: c["dflash_config"].update(target_layer_ids=[1, 1]),
+             "taps out of order": lambda c: c["dflash_config"].update(target_layer_ids=[3, 1]),
+             "M-RoPE keys": lambda c: c["rope_parameters"].update(mrope_section=[2, 3, 3]),
+             "another rotation": lambda c: c.update(is_neox_style=False)}
+    for what, edit in edits.items():
+        cfg = json.loads(json.dumps(good))
+        edit(cfg)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="layer order|M-RoPE|neox"):
+            DFlashDrafter.from_pretrained(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import errno
+import io
 import json
 import os
 import random
@@ -426,7 +427,8 @@ def test_ten_thousand_fuzzed_records_prepare_and_train(tmp_path):
     @given(st.lists(_LINE, min_size=20, max_size=20))
     def parse_without_crashing(batch):
         batch = [line.replace(b"\n", b" ") for line in batch]
-        for item, _ in chat_files._iter_json_lines("fuzz", b"\n".join(batch)):
+        for item, _ in chat_files._iter_json_lines("fuzz", io.BytesIO(b"\n".join(batch)),
+                                                   chat_files.DEFAULT_MAX_RECORD_BYTES):
             if not isinstance(item, chat_files.Skip):
                 chat_files.parse_record(item, "fuzz", 0)
         lines.extend(batch)

@@ -4,8 +4,9 @@ from an exported drafter folder, as JSON on stdout.
 
     python transformers_probe.py FOLDER[,FOLDER...] [INPUTS.safetensors OUTPUT.safetensors]
 
-For each folder (one JSON list): the transformers version, the config fields it read and the
-inverse frequencies and attention scaling of the rotary embedding it builds. With INPUTS: each
+For each folder (one JSON list): the transformers version, the config fields it read (the
+taps, the rotation style, every RoPE key) and the inverse frequencies and attention scaling of
+the rotary embedding it builds. With INPUTS: each
 folder's drafter, loaded through `AutoModel.from_pretrained(FOLDER, trust_remote_code=True)`,
 runs the published calling convention on the inputs, and OUTPUT holds the output of the i-th
 folder's as `hidden_i`.
@@ -32,6 +33,10 @@ def read(folder: str) -> dict:
         "sliding_window": config.sliding_window,
         "inv_freq": rope.inv_freq.tolist(),
         "attention_scaling": float(rope.attention_scaling),
+        "is_neox_style": getattr(config, "is_neox_style", None),
+        "target_layer_ids": (getattr(config, "dflash_config", None) or {}).get("target_layer_ids"),
+        "rope_keys": sorted({key for name in ("rope_parameters", "rope_scaling")
+                             for key in (getattr(config, name, None) or {})}),
     }
     return report
 

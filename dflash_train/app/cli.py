@@ -10,10 +10,12 @@ import sys
 from dflash_train import __version__
 from dflash_train.app import commands
 from dflash_train.bench.workloads import WORKLOADS
-from dflash_train.core.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET
+from dflash_train.core.config import BUNDLED_TARGET, DEFAULT_MAX_RECORD_BYTES, QWEN_CODER_TARGET, TINY_TARGET
+from dflash_train.core import locks
 from dflash_train.core.errors import FAILED, INTERRUPTED, PEER_LOST, UserError
 from dflash_train.data import preparation, regenerate, serving, sources, target_prompts
 from dflash_train.eval import evaluate
+from dflash_train.train.metrics import quiet_progress_bars
 
 TARGET_HELP = f"the target's Hugging Face folder, or {BUNDLED_TARGET} / {QWEN_CODER_TARGET} / {TINY_TARGET}"
 
@@ -49,6 +51,9 @@ def add_train_commands(subparsers) -> None:
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoints/step-N folder")
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    export.add_argument("--force", action="store_true",
+                        help="replace the drafter already exported to --out (without it, an existing export is kept "
+                        "and the command refuses)")
     export.set_defaults(func=commands.run_export)
 
 
@@ -71,6 +76,7 @@ def add_data_commands(subparsers) -> None:
                          help="what to do with longer samples (default %(default)s)")
     prepare.add_argument("--strict", action="store_true",
                          help="fail listing every bad record instead of skipping them")
+    add_record_limit_argument(prepare)
     prepare.set_defaults(func=commands.run_prepare)
 
     regen = data_commands.add_parser(
@@ -101,6 +107,7 @@ def add_data_commands(subparsers) -> None:
     regen.add_argument("--limit", type=int, default=None, metavar="N",
                        help="stop after N more records (the output stays resumable)")
     add_workers_argument(regen, "regenerate chunks", "target copy", "the output equals --workers 1's")
+    add_record_limit_argument(regen)
     add_server_arguments(regen)
     regen.set_defaults(func=commands.run_regenerate)
 
@@ -178,6 +185,13 @@ def add_server_arguments(parser) -> None:
     group.add_argument("--retries", type=int, default=serving.DEFAULT_RETRIES, metavar="N",
                        help="retries of a refused, failed (5xx) or timed-out request, with exponential "
                        "backoff (default %(default)s)")
+
+
+def add_record_limit_argument(parser) -> None:
+    """`--max-record-bytes N` of the commands that read chat files (data.max_record_bytes)."""
+    parser.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
+                        help="a record (a line, an element of a JSON array) longer than N bytes is skipped unread and "
+                        "reported with its line (default %(default)s)")
 
 
 def add_workers_argument(parser, what: str, copy: str, same: str) -> None:
@@ -297,6 +311,7 @@ def add_plot_command(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    locks.remember_command(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     # argparse takes one run of positionals: overrides on both sides of an option
     # (`a=1 --output-dir D b=2`) leave the second run over; it belongs to the overrides too.
@@ -321,6 +336,7 @@ def run_command(args) -> int:
     other exception is a bug and keeps its traceback."""
 
     command = " ".join(c for c in (args.command, getattr(args, "data_command", None)) if c)
+    quiet_progress_bars()  # off a terminal: no bar of any library redraws into a log file
     try:
         return int(args.func(args) or 0)
     except UserError as err:

@@ -97,9 +97,9 @@ def embedded_default_notice(cfg) -> str:
 
 
 def run_export(args) -> int:
-
-
-    check_export_folder(args.out, "--out")
+    """`dflash-train export`: a checkpoint's drafter in the served format. Only the drafter's
+    files of the checkpoint are read; an export already at --out is replaced with --force only."""
+    check_export_folder(args.out, "--out", force=args.force)
     drafter = drafter_from_checkpoint(Path(args.checkpoint))
     out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
     print(f"exported {args.checkpoint} -> {out}")
@@ -110,8 +110,9 @@ def run_prepare(args) -> int:
     """`dflash-train data prepare`: an empty result is an error (the report says why). `--target`
     is a folder or a bundled name, as everywhere."""
 
-    prepared = prepare(args.data, resolve_target_path(args.target, "--target"), args.out, max_length=args.max_length,
-                       overlong=args.overlong, strict=args.strict)
+    prepared = prepare(args.data, resolve_target_path(args.target, "--target", weights=False), args.out,
+                       max_length=args.max_length, overlong=args.overlong, strict=args.strict,
+                       max_record_bytes=args.max_record_bytes)
     if prepared.report["num_samples"] == 0:
         raise DataError(no_samples(prepared))
     return 0
@@ -166,7 +167,7 @@ def run_regenerate(args) -> int:
                                       top_p=args.top_p, batch_size=args.batch_size,
                                       max_prompt_length=args.max_prompt_length, device=args.device, seed=args.seed,
                                       limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
-                                      overlap=not args.no_overlap)
+                                      overlap=not args.no_overlap, max_record_bytes=args.max_record_bytes)
         serving = ServingOptions(tuple(args.server), concurrency=args.concurrency, model=args.server_model,
                                  timeout=args.timeout, retries=args.retries) if args.server else None
         summary = regenerate(args.data, args.target, args.out, options, serving)

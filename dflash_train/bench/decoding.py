@@ -79,7 +79,8 @@ class DecodeBench:
 
 def build_models(target: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """(target model, drafter): `target` is a folder (or bundled name) or None for a random
-    SmolLM2-135M-shaped one; the drafter is random, 5 layers, block 16, in the target's dtype."""
+    SmolLM2-135M-shaped one; the drafter is random, 5 layers (5 taps, fewer on a target of fewer
+    tappable layers), block 16, in the target's dtype."""
     torch.manual_seed(seed)
     if target is None:
         fields = dict(SMOLLM2_135M)
@@ -89,9 +90,10 @@ def build_models(target: str | None, device: torch.device, dtype: torch.dtype, s
         model.requires_grad_(False)
     else:
         model, _ = load_target_model(target, device, dtype)
-    vocab = int(model.config.vocab_size)
+    vocab, layers = int(model.config.vocab_size), int(model.config.get_text_config().num_hidden_layers)
+    # as many taps as layers, but no more than the target's layers before its last
     cfg = build_drafter_config(model.config, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=BLOCK_SIZE,
-                               mask_token_id=vocab - 1)
+                               num_taps=min(DEFAULT_DRAFTER_LAYERS, layers - 1), mask_token_id=vocab - 1)
     drafter = DFlashDrafter(cfg).to(device, dtype).eval().requires_grad_(False)
     return model, drafter
 

@@ -20,9 +20,9 @@ from typing import Callable, Iterator
 import gguf
 import torch
 import transformers
-from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dflash_train.core import locks
 from dflash_train.core.drafter import write_config_json
 from dflash_train.core.errors import InputError, MissingPath
 
@@ -243,12 +243,12 @@ def is_model_folder(out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def folder_lock(out: Path) -> Iterator[None]:
+def folder_lock(out: Path, log: Callable[[str], None] = print) -> Iterator[None]:
     """Held while the cache folder `out` is checked and built, so that processes that need it at
-    once (two runs on a fresh machine, parallel test workers) build it once: the others wait,
-    then find it built. A lock file beside it (filelock: released when its holder dies)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f".{out.name}.lock")):
+    once (two runs on a fresh machine, parallel test workers) build it once: the others wait
+    (told once for whom), then find it built. A lock file beside it (locks.wait_for: released
+    when its holder dies, so a killed build's lock is taken over)."""
+    with locks.wait_for(out.parent / f".{out.name}.lock", str(out), log):
         yield
 
 

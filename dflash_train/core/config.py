@@ -3,7 +3,8 @@
 Owns every setting of a run. Each component receives only its own section. Loading is strict:
 unknown keys, wrong types and invalid values are all collected and reported in one error that
 names the file, line and field and says what would be valid. The resolved tree is written
-next to every checkpoint.
+next to every checkpoint, and a resumed run's settings are compared with it (`settings_changes`,
+`RESUME_FIXED`: what a resumed run cannot change).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ QWEN_CODER_TARGET = "bundled:qwen2.5-coder-0.5b-instruct"
 BUNDLED_DATA = "bundled:sharegpt"
 PROMPT_SETS = ("mt-bench", "humaneval", "gsm8k")
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's loss decay by block size
+DEFAULT_MAX_RECORD_BYTES = 16 * 1024 * 1024  # data.max_record_bytes
 # flex_attention kernel options train.flex_kernel_options may set, each also with a prefix fwd_ /
 # bwd_ (the forward's or the backward's kernel only); the switches are true / false. Not offered:
 # ROWS_GUARANTEED_SAFE (it assumes every row meets a visible key in the first tile the kernel
@@ -85,6 +87,11 @@ class DrafterSection:
         positive(p, "drafter.num_layers", self.num_layers)
         if self.block_size < 2:
             p.append(f"drafter.block_size must be >= 2, got {self.block_size}")
+        ids = self.target_layer_ids
+        if ids and all(isinstance(i, int) for i in ids) and any(a >= b for a, b in zip(ids, ids[1:])):
+            p.append(f"drafter.target_layer_ids must be strictly increasing (distinct layers, in layer order), got "
+                     f"{ids}: serving engines capture the taps in layer order, one feature per layer, so these "
+                     f"would serve another drafter than the one trained; e.g. {sorted(set(ids))}")
         positive(p, "drafter.num_taps", self.num_taps, allow_none=True)
         positive(p, "drafter.sliding_window", self.sliding_window, allow_none=True)
         return p
@@ -98,6 +105,11 @@ class DataSection:
     max_length: int = 3072
     """Tokens per sample after the chat template; longer samples are handled by `overlong`."""
     overlong: Literal["truncate", "drop"] = "truncate"
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """A record (a JSONL line, an element of a JSON array) longer than this many bytes is skipped
+    and reported with its file and line before it is decoded, so reading data takes memory by
+    the record, never by the file; the default is far above any real chat (a sample keeps
+    max_length tokens)."""
     limit: int | None = None
     """Use only the first N training samples (quick runs), counted after the validation split."""
     validation: int | float = 0
@@ -123,7 +135,7 @@ class DataSection:
 
     def problems(self) -> list[str]:
         p = []
-        for name in ("max_length", "token_budget", "max_batch_size", "num_buckets"):
+        for name in ("max_length", "token_budget", "max_batch_size", "num_buckets", "max_record_bytes"):
             positive(p, f"data.{name}", getattr(self, name))
         positive(p, "data.limit", self.limit, allow_none=True)
         if self.token_budget < self.max_length:
@@ -758,3 +770,54 @@ def to_dict(cfg: Config) -> dict:
 
 def dump_yaml(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- resume
+
+# Settings a resumed run cannot change: the drafter's architecture and the target it reads, the
+# data and the batches it is cut into (the samples, their order and shapes), and the seed those
+# are drawn from. A dotted name or a section prefix ending in ".". Every other setting (the
+# optimizer, max_steps / epochs / max_time_s, logging, evaluation, checkpoints, the device,
+# compilation, faults) may change on resume and applies from the resumed step; the global
+# batch (drafter ranks x train.grad_accum) is checked on its own, as it may be reached another way.
+RESUME_FIXED = ("drafter.", "target.path", "data.paths", "data.max_length", "data.overlong", "data.max_record_bytes",
+                "data.limit", "data.validation", "data.validation_seed", "data.token_budget", "data.max_batch_size",
+                "data.num_buckets", "data.bucket_boundaries", "train.seed")
+# Settings that say where the run is, not what it trains.
+RESUME_IGNORED = ("output_dir",)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "flex_kernel_options":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+@dataclass(frozen=True)
+class SettingsChange:
+    """One setting that differs between a checkpoint's config (`saved`) and this run's (`now`)."""
+
+    name: str
+    saved: Any
+    now: Any
+
+    @property
+    def fixed(self) -> bool:
+        return any(self.name == f or (f.endswith(".") and self.name.startswith(f)) for f in RESUME_FIXED)
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.saved!r} -> {self.now!r}"
+
+
+def settings_changes(saved: dict, now: dict) -> list[SettingsChange]:
+    """The settings (dotted names) whose values differ between a saved config tree (a
+    checkpoint's config.yaml) and this run's (`to_dict`), in the order of this run's tree. A
+    setting the saved tree lacks (written by an earlier version) counts as its default."""
+    defaults = _flatten(to_dict(Config()))
+    old, new = _flatten(saved), _flatten(now)
+    return [SettingsChange(name, old.get(name, defaults.get(name)), value) for name, value in new.items()
+            if name not in RESUME_IGNORED and old.get(name, defaults.get(name)) != value]

@@ -45,14 +45,26 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """0-based target layers to tap: the middle layer for one tap, else evenly spread from
-    layer 1 to layer L-3 (Qwen3-8B, L=36, 5 taps -> [1, 9, 17, 25, 33])."""
-    if num_target_layers < 1 or num_taps < 1:
-        raise ValueError(f"need num_target_layers >= 1 and num_taps >= 1, got {num_target_layers}, {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
+    """0-based target layers to tap, strictly increasing and distinct (serving engines capture
+    taps in layer order, one feature each): the published rule where it gives distinct layers,
+    the middle layer for one tap, else evenly spread from layer 1 to layer L-3 (Qwen3-8B, L=36,
+    5 taps -> [1, 9, 17, 25, 33]); on a target too shallow for that (more taps than L-3), evenly
+    spread over every layer that can be tapped, 0 to L-2 (L=4, 2 taps -> [0, 2]). A target has
+    L-1 layers that can be tapped (never the last): more taps than that raise ValueError."""
+    L, n = int(num_target_layers), int(num_taps)
+    if L < 2 or n < 1:
+        raise ValueError(f"need a target of at least 2 layers and at least 1 tap, got {L} layers and {n} taps "
+                         f"(the target's last layer cannot be tapped)")
+    if n > L - 1:
+        raise ValueError(f"{n} taps of a target of {L} layers: only its first {L - 1} layers can be tapped (the "
+                         f"last cannot); set drafter.num_taps (or drafter.num_layers) to at most {L - 1}, or "
+                         f"drafter.target_layer_ids")
+    if n == 1:
+        return [min(L // 2, L - 2)]
+    first, last = (1, L - 3) if n <= L - 3 else (0, L - 2)
+    ids = [int(round(first + i * (last - first) / (n - 1))) for i in range(n)]
+    assert ids == sorted(set(ids)), ids  # spacing >= 1: rounding keeps them distinct
+    return ids
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -153,12 +165,16 @@ def build_drafter_config(
     L = int(text_cfg.num_hidden_layers)
     heads = int(text_cfg.num_attention_heads)
     hidden = int(text_cfg.hidden_size)
+    problems = []
     if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(L, num_taps or num_layers)
+        try:
+            target_layer_ids = default_target_layer_ids(L, num_taps or num_layers)
+        except ValueError as err:
+            problems.append(f"drafter.num_taps: {err}")
     if layer_types is None:
         layer_types = [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * num_layers
     rope = target_rope(text_cfg)
-    problems = setting_problems(num_layers, block_size, target_layer_ids, L, layer_types, sliding_window)
+    problems += setting_problems(num_layers, block_size, target_layer_ids, L, layer_types, sliding_window)
     if "rope_type" not in rope and any(isinstance(v, dict) for v in rope.values()):
         problems.append(
             f"the target's RoPE differs per layer type ({sorted(rope)}); a DFlash drafter has one RoPE "
@@ -179,10 +195,8 @@ def build_drafter_config(
         rms_norm_eps=float(text_cfg.rms_norm_eps),
         vocab_size=int(text_cfg.vocab_size),
         max_position_embeddings=int(getattr(text_cfg, "max_position_embeddings", 32768)),
-        # The drafter's layers rotate whole heads: transformers 5's Qwen3 RoPE ignores a
-        # partial_rotary_factor and 4.x honours it, so inheriting the target's would make the two
-        # read one folder differently. The drafter's RoPE is its own (its q/k are its own).
-        rope_parameters={k: v for k, v in rope.items() if k != "partial_rotary_factor"},
+        rope_parameters=drafter_rope(rope),
+        is_neox_style=True,
         attention_bias=False,
         tie_word_embeddings=False,
         use_sliding_window=sliding,
@@ -194,6 +208,38 @@ def build_drafter_config(
         dflash_config={"target_layer_ids": [int(i) for i in target_layer_ids], "mask_token_id": int(mask_token_id),
                        "block_size": int(block_size)},
     )
+
+
+# RoPE keys a drafter never takes from its target. Its layers rotate whole heads: transformers
+# 5's Qwen3 RoPE ignores a partial_rotary_factor and 4.x honours it, so inheriting the target's
+# would make the two read one folder differently. Its rotation is 1-D over token positions:
+# M-RoPE's sections (Qwen3.5-style targets) would make vLLM refuse the drafter ("does not support
+# M-RoPE"). The drafter's RoPE is its own (its q/k are its own).
+NOT_INHERITED_ROPE = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def drafter_rope(target_rope_settings: dict) -> dict:
+    """The drafter's rope_parameters from its target's: the same type, base and scaling, without
+    NOT_INHERITED_ROPE (an "mrope" type becomes the 1-D "default" it is built on)."""
+    rope = {k: v for k, v in target_rope_settings.items() if k not in NOT_INHERITED_ROPE}
+    if rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    return rope
+
+
+def rope_problem(raw: dict) -> str | None:
+    """Why a drafter config's rotation is not what this model computes (1-D, neox-style rotate
+    half), or None: M-RoPE keys in its RoPE settings, or `is_neox_style: false`."""
+    found = [f"{where}.{key}" for where in ("rope_parameters", "rope_scaling")
+             for key in MROPE_KEYS if isinstance(raw.get(where), dict) and key in raw[where]]
+    if found:
+        return (f"its RoPE settings carry M-RoPE keys ({', '.join(found)}), but a DFlash drafter rotates in one "
+                f"dimension (vLLM refuses such a drafter): remove them from config.json")
+    if raw.get("is_neox_style") is False:
+        return ("is_neox_style is false, but this drafter rotates neox-style (rotate half), as it was trained: "
+                "set it to true")
+    return None
 
 
 def target_rope(text_cfg) -> dict:
@@ -213,7 +259,7 @@ def setting_problems(num_layers: int, block_size: int, target_layer_ids, num_tar
         problems.append(f"drafter.num_layers must be >= 1, got {num_layers}")
     if block_size < 2:
         problems.append(f"drafter.block_size must be >= 2, got {block_size}")
-    problem = tap_problem(target_layer_ids, num_target_layers)
+    problem = tap_problem(target_layer_ids, num_target_layers) if target_layer_ids is not None else None
     if problem:
         problems.append(f"drafter.target_layer_ids: {problem}")
     if len(layer_types) != num_layers or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in layer_types):
@@ -235,14 +281,19 @@ def set_mask_token(config: Qwen3Config, token: str | None) -> None:
         config.dflash_config["mask_token"] = str(token)
 
 
-def tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
-    """What is wrong with these taps of a target of `num_target_layers` layers, or None.
-    Serving engines capture `hidden_states[id + 1]` of layers before the last one only, so a
-    drafter tapping the last layer (or beyond) could be trained but never served."""
-    L = int(num_target_layers)
+def tap_problem(target_layer_ids, num_target_layers: int | None) -> str | None:
+    """What is wrong with these taps of a target of `num_target_layers` layers (None: not
+    known, the order alone is checked), or None. Serving engines capture `hidden_states[id + 1]`
+    of layers before the last one only, in layer order, one feature per layer: a drafter tapping
+    the last layer (or beyond) could be trained but never served, and one whose taps are not
+    strictly increasing would get its fc inputs permuted (or a width it does not have)."""
     ids = list(target_layer_ids or [])
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         return f"{ids!r} must be a non-empty list of layer ids"
+    problem = tap_order_problem(ids)
+    if problem or num_target_layers is None:
+        return problem
+    L = int(num_target_layers)
     last = [i for i in ids if i == L - 1]
     if last:
         return (f"{ids} taps the target's last layer ({L - 1}): no serving engine can capture it (vLLM, "
@@ -252,6 +303,21 @@ def tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
     if bad:
         return f"{ids}: ids {bad} are outside [0, {L - 2}] (the target has {L} layers; the last cannot be tapped)"
     return None
+
+
+def tap_order_problem(ids: list[int]) -> str | None:
+    """Taps must be strictly increasing (so distinct): vLLM and SGLang capture the tapped layers
+    in layer order and concatenate one feature per layer, so taps in another order reach fc
+    permuted (acceptance collapses, no error) and a repeated tap leaves fc a width the engine
+    never gives it (an error at serve time)."""
+    if all(a < b for a, b in zip(ids, ids[1:])):
+        return None
+    ordered = sorted(set(ids))
+    repeated = f"repeats {sorted({i for i in ids if ids.count(i) > 1})}" if len(ordered) < len(ids) else \
+        "is not in increasing order"
+    return (f"{ids} {repeated}: serving engines capture the taps in layer order, one feature per layer, so this "
+            f"drafter would be served differently from how it is trained; give strictly increasing, distinct ids, "
+            f"e.g. {ordered}")
 
 
 def target_problems(config, target_config) -> list[str]:
@@ -581,6 +647,7 @@ class DFlashDrafter(nn.Module):
             "block_size": self.block_size,
         }
         config.dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        config.is_neox_style = True  # how its RoPE rotates (rotate half); some engines read it
         # Written from the whole dict (every field explicit) after transformers serialises it,
         # which drops the legacy fields 4.x readers need (with_legacy_fields).
         raw = config.to_dict()
@@ -656,10 +723,13 @@ def config_from_dict(raw: dict, source: str = "config") -> Qwen3Config:
         if not isinstance(raw.get(name), int):
             problems.append(f"{name} must be an integer, got {raw.get(name)!r}")
     num_target_layers = raw.get("num_target_layers")
-    if isinstance(num_target_layers, int) and isinstance(ids, list) and ids:
-        problem = tap_problem(ids, num_target_layers)
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        problem = tap_problem(ids, num_target_layers if isinstance(num_target_layers, int) else None)
         if problem:
             problems.append(f"dflash_config.target_layer_ids: {problem}")
+    problem = rope_problem(raw)
+    if problem:
+        problems.append(problem)
     if problems:
         raise ValueError(f"{source}: not a DFlash drafter config:\n  - " + "\n  - ".join(problems))
     raw.pop("model_type", None)

@@ -52,19 +52,30 @@ def load_drafter(folder: str | Path, name: str, dtype: torch.dtype | None = None
         raise InputError(f"{name}: {folder}: weights unusable ({err})") from err
 
 
-def check_export_folder(out_dir: str | Path, name: str) -> None:
-    """Refuse, before anything is loaded, an export folder that cannot be written, and one that
-    holds anything but an earlier export: the export replaces the whole folder."""
+def check_export_folder(out_dir: str | Path, name: str, force: bool = False) -> None:
+    """Refuse, before anything is loaded, an export folder that cannot be written, one that
+    holds anything but an earlier export (the export replaces the whole folder), and, unless
+    `force`, an earlier export: a drafter is never replaced without being asked to."""
     out = Path(out_dir)
     problem = folder_problem(out)
     if problem is not None:
         raise InputError(f"{name} {out}: {problem}: choose a folder you can write in")
     if out.is_dir() and any(out.iterdir()):
-        try:
-            folder_config(out)
-        except (FileNotFoundError, ValueError):
+        if not is_drafter_folder(out):
             raise InputError(f"{name} {out} holds files other than an exported drafter, and an export replaces "
-                             f"the whole folder: choose a new or empty folder") from None
+                             f"the whole folder: choose a new or empty folder")
+        if not force:
+            raise InputError(f"{name} {out} already holds an exported drafter, which this export would replace: "
+                             f"pass --force to replace it, or choose another folder")
+
+
+def is_drafter_folder(folder: Path) -> bool:
+    """Whether `folder`'s config.json is a DFlash drafter's (whatever else may be wrong with it)."""
+    try:
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and ("dflash_config" in raw or "block_size" in raw)
 
 
 def export_drafter(drafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -15,24 +15,43 @@ Shape legend: b rows, L padded length, H hidden size, F = n*H concatenated tap w
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import zipfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dflash_train.core.assets import qwen2_5_coder_dir, smollm2_dir, tiny_random_target_dir
 from dflash_train.core.attention import CAUSAL_ATTENTION, UseAttention, has_sliding_layers, register_attention
 from dflash_train.core.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, runs_whole_target
 from dflash_train.core.devices import resolve_dtype
-from dflash_train.core.errors import MissingPath
+from dflash_train.core.errors import InputError, MissingPath
+
+# A tokenizer's own files: tokenizer.json alone is a whole fast tokenizer; the others are the
+# vocabularies of the slow ones (sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Model classes whose name says causal LM (AutoModelForCausalLM loads them).
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
-def resolve_target_path(path: str, setting: str = "target.path") -> Path:
+class TargetFolderError(InputError):
+    """A target folder that cannot be used, every problem on its own line (exit 2)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(problems[0] if len(problems) == 1 else "\n".join(problems))
+
+
+def resolve_target_path(path: str, setting: str = "target.path", weights: bool = True) -> Path:
     """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use);
-    `setting` names the option in errors."""
+    `setting` names the option in errors. A local folder is checked before anything loads it
+    (`target_folder_problems`; `weights=False`: a tokenizer is all the caller reads)."""
     if path == BUNDLED_TARGET:
         return smollm2_dir()
     if path == TINY_TARGET:
@@ -43,15 +62,130 @@ def resolve_target_path(path: str, setting: str = "target.path") -> Path:
     if not (p / "config.json").is_file():
         what = "no such folder" if not p.is_dir() else "not a Hugging Face model folder (no config.json)"
         raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")
+    problems = [f"{setting} {path}: {problem}" for problem in target_folder_problems(p, weights)]
+    if problems:
+        raise TargetFolderError(problems)
     return p
+
+
+def _folder_signature(folder: Path) -> tuple:
+    """(name, size, mtime) of a folder's files: a check's result is reused until one changes."""
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
+
+
+def target_folder_problems(folder: Path, weights: bool = True) -> list[str]:
+    """What makes `folder` (it has a config.json) unusable as a target, one problem a line, read
+    from the files alone (nothing is loaded): its config (valid JSON, a causal LM, not a DFlash
+    drafter), its tokenizer files, and with `weights` its weight files, the header of every
+    safetensors file read and checked against the file's size (a file cut short fails)."""
+    folder = Path(folder)
+    return list(_folder_problems(str(folder.resolve()), _folder_signature(folder), weights))
+
+
+@functools.lru_cache(maxsize=16)
+def _folder_problems(folder: str, signature: tuple, weights: bool) -> tuple[str, ...]:
+    path = Path(folder)
+    problems = _config_problems(path / "config.json")
+    problems += _tokenizer_problems(path)
+    if weights:
+        problems += _weight_problems(path)
+    return tuple(problems)
+
+
+def _read_json(file: Path) -> tuple[object, str | None]:
+    """(the JSON of `file`, None) or (None, what is wrong with it)."""
+    try:
+        return json.loads(file.read_bytes()), None
+    except OSError as err:
+        return None, f"{file.name} cannot be read ({err.strerror or err})"
+    except ValueError as err:
+        return None, f"{file.name} is not valid JSON ({err}): copy it from the model again"
+
+
+def _config_problems(file: Path) -> list[str]:
+    raw, problem = _read_json(file)
+    if problem:
+        return [problem]
+    if not isinstance(raw, dict):
+        return [f"{file.name} is not a JSON object: copy it from the model again"]
+    if "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or []):
+        return ["is a DFlash drafter folder, not a target model: give the model the drafter drafts for (a "
+                "drafter goes to --drafter or drafter.init_from)"]
+    kind, classes = raw.get("model_type"), [str(a) for a in raw.get("architectures") or []]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return [f"model_type {kind!r} is not a causal language model that transformers loads "
+                f"(AutoModelForCausalLM): give a causal LM's folder (Llama, Qwen2/3, SmolLM2, ...)"]
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if classes and not any(c in causal or c.endswith(CAUSAL_SUFFIXES) for c in classes):
+        return [f"its architectures {classes} are not a causal language model (a {classes[0]} has no next-token "
+                f"head to draft for): give a causal LM's folder"]
+    return []
+
+
+def _tokenizer_problems(folder: Path) -> list[str]:
+    found = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if not found:
+        return [f"no tokenizer ({', '.join(TOKENIZER_FILES[:2])} or a vocabulary file): copy the target's "
+                f"tokenizer files into the folder"]
+    problems = []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            problems += [p for p in [_read_json(folder / name)[1]] if p]
+    return problems
+
+
+def _weight_problems(folder: Path) -> list[str]:
+    """Missing, unreadable or damaged weight files (safetensors headers; PyTorch zip files)."""
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+    problems = []
+    for index in sorted(folder.glob("*.index.json")):
+        raw, problem = _read_json(index)
+        shards = set((raw or {}).get("weight_map", {}).values()) if isinstance(raw, dict) else set()
+        if problem or not shards:
+            problems.append(problem or f"{index.name} lists no weight files: copy it from the model again")
+        problems += [f"{shard} is missing (listed in {index.name}): copy the model's weight files again"
+                     for shard in sorted(shards) if not (folder / shard).is_file()]
+    if not files and not problems:
+        return ["no weights (model.safetensors, or shards listed in model.safetensors.index.json): copy the "
+                "target's weight files into the folder"]
+    for file in files:
+        problem = _weight_file_problem(file)
+        if problem:
+            problems.append(f"{file.name} {problem}: the file is damaged or cut short; copy it again")
+    return problems
+
+
+def _weight_file_problem(file: Path) -> str | None:
+    if not os.access(file, os.R_OK):
+        return "cannot be read (permission denied)"
+    if file.suffix == ".bin":
+        return None if zipfile.is_zipfile(file) else "is not a PyTorch weight file"
+    try:  # the header, and its offsets against the file's size
+        with safe_open(str(file), framework="pt") as handle:
+            handle.keys()
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own and OS errors
+        return f"is not a readable safetensors file ({type(err).__name__}: {err})"
+    return None
+
+
+def load_tokenizer(folder: Path, setting: str = "target.path"):
+    """The tokenizer of a target folder; one that does not load is the user's mistake, said in
+    a line (InputError)."""
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # noqa: BLE001 - tokenizer classes raise anything on bad files
+        raise InputError(f"{setting} {folder}: its tokenizer does not load ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}): copy the target's tokenizer files "
+                         f"again") from err
 
 
 def load_target_model(path: str, device: torch.device, dtype: str | torch.dtype = "auto"):
     """The target (every layer and the lm_head) and its tokenizer: frozen, eval mode, on
     `device`. Training, evaluation and regeneration all load it here."""
     folder = resolve_target_path(path)
+    tokenizer = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
-    return model.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder)
+    return model.to(device).eval().requires_grad_(False), tokenizer
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

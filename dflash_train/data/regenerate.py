@@ -15,7 +15,10 @@ makes room for the next one, so the responder always has work. Answers come from
 as they finish, CUDA graphs on a GPU), or serving engines (`ServerResponder` over
 serving.ServerPool, `--server`: vLLM, SGLang, `transformers serve`). Lines are written in input
 order, so an output is always a prefix of the full one and a rerun resumes after its last whole
-line. Records that finished behind an unfinished earlier one when a run is stopped (Ctrl-C,
+line. Every check comes before any write: an output from other input is refused untouched, and a
+partial last line is cut only from an output this command is writing (the `OUT.partial` mark it
+keeps beside an unfinished output); one process writes an output at a time (locks.hold).
+Records that finished behind an unfinished earlier one when a run is stopped (Ctrl-C,
 SIGTERM, a time box) are kept in a file beside the output (`OUT.ahead`, `ahead_path`) and the
 rerun writes them without regenerating them, so a stop loses only the turns in flight. A turn's
 sampling seed depends only on (seed, record position, turn) (serving.turn_seed), and at T = 0
@@ -40,7 +43,9 @@ from typing import Any, Callable, Iterator
 
 from transformers import AutoTokenizer
 
+from dflash_train.core import locks
 from dflash_train.core.assets import atomic_write_lines
+from dflash_train.core.config import DEFAULT_MAX_RECORD_BYTES
 from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import output_file_problem, problems_of
 from dflash_train.core.signals import StopFlag
@@ -75,7 +80,8 @@ class RegenerationOptions:
     once). How much: at most `limit` more records (None: every record), and none started after
     `deadline` (a time.time() instant; None: no time box: the records finished by then are
     written, `out_of_time` in the summary, and the same job resumes later). A progress line
-    comes every `progress_every_s` seconds."""
+    comes every `progress_every_s` seconds. An input record longer than `max_record_bytes` is
+    skipped unread."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -91,6 +97,7 @@ class RegenerationOptions:
     limit: int | None = None
     progress_every_s: float = 10.0
     deadline: float | None = None
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def decoding(self, rows: int) -> Decoding:
         """What a responder answers each turn with, `rows` turns at once."""
@@ -123,26 +130,41 @@ def _output_first_user(line: bytes, record: Record) -> str | None:
         return None
 
 
-def resume_point(out: Path, records: list[Record]) -> int:
-    """How many records `out` already holds. A partial last line (a run killed mid-write) is
-    cut off. Each finished line must belong to the record at its position (same first user
-    turn), else the output comes from other input and DataError says so."""
+def partial_path(out: Path) -> Path:
+    """The mark beside `out` that a regeneration writes before its first line and removes once
+    the output holds every record: only an output carrying it is one this project is writing,
+    the only kind whose partial last line (a run killed mid-write) is cut off on resume."""
+    return out.with_name(out.name + ".partial")
+
+
+def resume_point(out: Path, records: list[Record]) -> tuple[int, int | None]:
+    """(how many records `out` already holds, None or the length to cut it to: its whole lines,
+    when a partial last line follows them). Reads only, line by line. Each finished line must
+    belong to the record at its position (same first user turn), else the output comes from
+    other input and DataError says so; a partial last line is cut only from an output that
+    carries the `partial_path` mark, else DataError: a file of the user's is never changed."""
     if not out.exists():
-        return 0
-    raw = out.read_bytes()
-    keep = raw.rfind(b"\n") + 1
-    if keep != len(raw):
-        with open(out, "r+b") as handle:
-            handle.truncate(keep)
-    lines = raw[:keep].splitlines()
-    if len(lines) > len(records):
-        raise DataError(f"--out {out} holds {len(lines)} records but the input has {len(records)}; "
+        return 0, None
+    with open(out, "rb") as handle:
+        whole = sum(1 for line in handle if line.endswith(b"\n"))
+    if whole > len(records):
+        raise DataError(f"--out {out} holds {whole} records but the input has {len(records)}; "
                         "it comes from other input: choose another --out")
-    for number, (line, record) in enumerate(zip(lines, records), start=1):
-        if _output_first_user(line, record) != _first_user(record.messages):
-            raise DataError(f"{out}:{number} does not match input record {record.file}:{record.line}; "
-                            "the output comes from other input: choose another --out or delete it")
-    return len(lines)
+    kept = 0
+    with open(out, "rb") as handle:
+        for number, (line, record) in enumerate(zip(handle, records[:whole]), start=1):
+            if _output_first_user(line, record) != _first_user(record.messages):
+                raise DataError(f"{out}:{number} does not match input record {record.file}:{record.line}; "
+                                "the output comes from other input: choose another --out or delete it")
+            kept += len(line)
+    size = out.stat().st_size
+    if kept == size:
+        return whole, None
+    if not partial_path(out).is_file():
+        raise DataError(f"--out {out}: its last line is cut off ({size - kept} bytes after line {whole}) and no "
+                        f"unfinished `data regenerate` wrote it (no {partial_path(out).name} beside it), so it is "
+                        "left as it is: choose another --out")
+    return whole, kept
 
 
 def ahead_path(out: Path) -> Path:
@@ -560,18 +582,21 @@ class _Job:
     summary: dict[str, Any]
     log: Callable[[str], None]
     started: float = 0.0
+    cut: int | None = None  # the output's length without its partial last line, when it has one
 
 
-def _open_job(paths, out: Path, limit: int | None, log) -> _Job:
+def _open_job(paths, out: Path, options: RegenerationOptions, log) -> _Job:
     """The records of `paths` (skips counted in the summary), where `out` and its ahead file
-    leave off, and the summary so far; a DataError when no record is usable."""
+    leave off, and the summary so far; a DataError when no record is usable. Reads only: a
+    partial last line of `out` is cut later (`_repair`), once every check has passed."""
     records: list[Record] = []
     skipped: list[Skip] = []
-    for item in iter_records(paths):
+    limit = options.limit
+    for item in iter_records(paths, options.max_record_bytes):
         (skipped if isinstance(item, Skip) else records).append(item)
     if not records:
         raise DataError(f"--data: {nothing_usable(paths, len(skipped), skipped)}")
-    done = resume_point(out, records)
+    done, cut = resume_point(out, records)
     kept = read_ahead(out, records, done)
     stop = len(records) if limit is None else min(len(records), done + limit)
     summary = {"num_records": len(records) + len(skipped), "num_skipped": len(skipped),
@@ -584,7 +609,28 @@ def _open_job(paths, out: Path, limit: int | None, log) -> _Job:
     if summary["num_ahead_resumed"]:
         log(f"data regenerate: {summary['num_ahead_resumed']} records a stopped run finished ahead are kept in "
             f"{ahead_path(out)}; they are written without being regenerated")
-    return _Job(out, records, done, kept, stop, summary, log)
+    return _Job(out, records, done, kept, stop, summary, log, cut=cut)
+
+
+def _start_writing(job: _Job) -> "_Writer":
+    """The output's writer, opened after every check has passed (the target and the servers
+    too): the partial last line of an output this project is writing cut off, and the mark that
+    it is unfinished written before the first new line."""
+    if job.cut is not None:
+        with open(job.out, "r+b") as handle:
+            handle.truncate(job.cut)
+        job.log(f"data regenerate: cut the partial last line a stopped run left in {job.out}")
+    mark = partial_path(job.out)
+    if not mark.exists():
+        job.out.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(json.dumps({"written_by": "dflash-train data regenerate", "output": job.out.name}) + "\n")
+    return _Writer(job.out)
+
+
+def _finish(job: _Job) -> None:
+    """The unfinished mark removed once the output holds every record."""
+    if job.done + job.summary["num_written"] >= len(job.records):
+        partial_path(job.out).unlink(missing_ok=True)
 
 
 def _responder(target, device: str, decoding: Decoding, pool, log, model=None, tokenizer=None):
@@ -670,7 +716,7 @@ def _conclude(job: _Job) -> dict[str, Any]:
         where = f", {summary['num_ahead_kept']} finished ahead kept in {ahead_path(job.out)}" \
             if summary["num_ahead_kept"] else ""
         job.log(f"data regenerate: {summary['stopped']} received: {job.done + summary['num_written']} records "
-                f"written to {job.out}{where}; the same command resumes")
+                f"written to {job.out}{where}; the same command resumes: {locks.command_line()}")
     seconds = time.perf_counter() - job.started
     summary["seconds"] = seconds
     summary["tokens_per_s"] = summary["num_new_tokens"] / seconds if seconds > 0 else None
@@ -694,9 +740,21 @@ def regenerate(paths, target, out, options: RegenerationOptions = RegenerationOp
     problems = _problems(target, out, options, serving, model)
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
-    job = _open_job(paths, Path(out), options.limit, log)
-    if job.done >= job.stop:
-        return job.summary
+    out = Path(out)
+    lock = out.with_name(f".{out.name}.lock")
+    with locks.discard_if_created(lock, out.parent), locks.hold(
+            lock, f"--out {out}", "wait for that regeneration to end, or choose another --out", log):
+        job = _open_job(paths, out, options, log)
+        if job.done >= job.stop:
+            _finish(job)
+            return job.summary
+        return _run_job(job, target, options, serving, (log, model, tokenizer))
+
+
+def _run_job(job: _Job, target, options: RegenerationOptions, serving: ServingOptions | None, given) -> dict[str, Any]:
+    """The job's records regenerated (in this process or in workers) and appended to its
+    output; `given`: (log, model, tokenizer) as `regenerate` was called with them."""
+    log, model, tokenizer = given
     # no more rows than the turns to answer: a small job allocates no caches it cannot fill
     turns = sum(m["role"] == "assistant" for record in job.records[job.done:job.stop] for m in record.messages)
     decoding = options.decoding(rows=min(options.batch_size, max(1, turns)))
@@ -706,15 +764,16 @@ def regenerate(paths, target, out, options: RegenerationOptions = RegenerationOp
     try:
         if options.workers == 1:
             responder, tokenizer = _responder(target, options.device, decoding, pool, log, model, tokenizer)
-            writer = _Writer(job.out)
+            writer = _start_writing(job)
             _write_stream(job, responder, tokenizer, options, writer)
         else:
-            writer = _Writer(job.out)
+            writer = _start_writing(job)
             _write_chunks(job, target, tokenizer, options, decoding, writer)
     finally:
         if writer is not None:
             writer.close()
             job.summary["num_ahead_kept"] = keep_ahead(job.out, job.kept, job.done + job.summary["num_written"])
+            _finish(job)
         if pool is not None:
             pool.close()
     return _conclude(job)

@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
+from dflash_train.core.config import Config, SettingsChange, settings_changes, to_dict
 from dflash_train.core.drafter import DFlashDrafter, config_from_dict
 from dflash_train.core.errors import InputError
 
@@ -202,8 +204,9 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """None if every file matches the sidecar's hash, else what is wrong."""
+def verify_checkpoint(path: Path, only: tuple[str, ...] | None = None) -> str | None:
+    """None if every file (with `only`: those of these names) matches the sidecar's hash, else
+    what is wrong."""
     meta_file = path / META
     if not meta_file.is_file():
         return "no meta.json (an interrupted save)"
@@ -212,7 +215,12 @@ def verify_checkpoint(path: Path) -> str | None:
         files = meta["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         return f"meta.json unreadable ({err})"
+    missing = [name for name in only or () if name not in files]
+    if missing:
+        return f"meta.json lists no {', '.join(missing)}"
     for name, digest in files.items():
+        if only is not None and name not in only:
+            continue
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -256,15 +264,15 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
 
 
 def drafter_from_checkpoint(path: Path):
-    """The drafter (fp32 training weights) stored in a checkpoint folder."""
-
+    """The drafter (fp32 training weights) stored in a checkpoint folder. Only the drafter's
+    own files are read and verified (weights and config): exporting needs no optimizer state."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such folder; give a run's checkpoints/step-N folder")
     if (path / CHECKPOINTS).is_dir():
         found = list_checkpoints(path)
         raise CheckpointError(f"{path} is a run folder: give one of its checkpoints, e.g. "
                               f"{found[-1] if found else path / CHECKPOINTS / 'step-N'}")
-    problem = verify_checkpoint(path)
+    problem = verify_checkpoint(path, only=(FILES["drafter"], DRAFTER_CONFIG))
     if problem is not None:
         raise CheckpointError(f"{path}: not a usable checkpoint: {problem}")
     model = DFlashDrafter(config_from_dict(json.loads((path / DRAFTER_CONFIG).read_text()), str(path / DRAFTER_CONFIG)))
@@ -313,6 +321,11 @@ class CheckpointManager:
         self.dist, self.position, self.parts, self.texts = dist, position, parts, texts
         self.faults, self.enabled, self.log = faults, enabled, log
         self.saved_step: int | None = None
+        # Called with the checkpoint resume takes, before anything is loaded from it: the
+        # settings this run changes (a list, kept in `changes`), or a CheckpointError for a
+        # change it cannot resume with (loop.py sets it: settings_check).
+        self.settings_check: Callable[[Path], list] | None = None
+        self.changes: list = []
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.every == 0
@@ -396,6 +409,8 @@ class CheckpointManager:
         if "data" not in state:
             raise CheckpointError(f"{found}: written by an earlier version of dflash-train, which kept the state "
                                   f"per rank; continue it with that version, or use a new output_dir")
+        if self.settings_check is not None:
+            self.changes = self.settings_check(found)
         self.position.check(found, state["data"], state["topology"], step)
         same = state["topology"] == self.topology()
         for name, part in self.parts.items():
@@ -419,3 +434,24 @@ class CheckpointManager:
         if name == "best" and name not in state:  # saved before checkpoint.keep_best was turned on
             return BestCheckpoint().state_dict()
         return state[name]
+
+
+def settings_check(cfg: Config, found: Path) -> list[SettingsChange]:
+    """The settings this run (`cfg`) changes from those checkpoint `found` was trained with (its
+    config.yaml). A change a resumed run cannot make (config.RESUME_FIXED: the drafter's
+    architecture, the target, the data and its batches, the seed) is a CheckpointError naming
+    every such field and the two choices; the others are returned, to be applied and logged."""
+    try:
+        saved = yaml.safe_load((found / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # nothing to compare with (written before checkpoints kept their config)
+    if not isinstance(saved, dict):
+        return []
+    changes = settings_changes(saved, to_dict(cfg))
+    fixed = [c for c in changes if c.fixed]
+    if fixed:
+        back = " ".join(f"{c.name}={json.dumps(c.saved)}" for c in fixed)
+        raise CheckpointError(f"{found} was trained with other settings, which a resumed run cannot change: "
+                              f"{', '.join(map(str, fixed))}; to continue that run, set them back ({back}), or to "
+                              f"train with the new ones, choose another output_dir")
+    return changes

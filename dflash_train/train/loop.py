@@ -13,15 +13,18 @@ and checkpoint when it falls due.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
+from dflash_train.core import locks
 from dflash_train.core.assets import atomic_write_lines
 from dflash_train.core.config import BUNDLED_DATA, Config, ConfigError, dump_yaml, to_dict
 from dflash_train.core.devices import resolve_device
@@ -35,7 +38,8 @@ from dflash_train.core.drafter import (
 from dflash_train.core.errors import UserError, folder_problem, problems_of
 from dflash_train.core.export import drafter_config, export_drafter, load_drafter
 from dflash_train.core.loss import LossSettings
-from dflash_train.core.target import Target, TargetHeads, load_target, resolve_target_path
+from dflash_train.core.locks import command_line
+from dflash_train.core.target import Target, TargetHeads, load_target, load_tokenizer, resolve_target_path
 from dflash_train.data import chat_files, preparation
 from dflash_train.data.batching import BatchPlan, BatchStream, conversation_keys, validation_split
 from dflash_train.data.preparation import LOOP_REPEATS, without_loop_tails
@@ -48,6 +52,8 @@ from dflash_train.train.checkpoint import (
     RngState,
     checkpoint_root,
     drafter_from_checkpoint,
+    list_checkpoints,
+    settings_check,
 )
 from dflash_train.train.compilation import Compilation, fp8_linear_layers
 from dflash_train.train.control import Control, DeferredSkips, Stop, TrainingStopped
@@ -71,8 +77,10 @@ from dflash_train.train.transport import Receiver, Sender
 def check_inputs(cfg: Config) -> None:
     """What needs nothing heavy, checked before anything is loaded, every problem at once (one
     ConfigError): the output folder (and data.cache_dir) can be written, the data paths exist and
-    hold chat files, the target folder is a model, drafter.init_from is a DFlash drafter folder
-    for that target (config files alone), and the device is there."""
+    hold chat files, the target folder is a usable model (its config, tokenizer and weight
+    files), drafter.init_from is a DFlash drafter folder for that target (config files alone),
+    the device is there, and a run already in output_dir was trained with settings this run
+    may resume with (checkpoint.settings_check)."""
 
     problems = []
     for name, folder in (("output_dir", cfg.output_dir), ("data.cache_dir", cfg.data.cache_dir)):
@@ -96,6 +104,9 @@ def check_inputs(cfg: Config) -> None:
         problems += problems_of(lambda: drafter_config(cfg.drafter.init_from, "drafter.init_from", target_config))
     if problems:
         raise ConfigError(problems)
+    newest = list_checkpoints(cfg.output_dir)
+    if newest:  # a run is there: this one resumes it (the checkpoint resume takes is checked again)
+        settings_check(cfg, newest[-1])
 
 
 def load_data(cfg: Config, target_dir: Path, log=print):
@@ -107,11 +118,13 @@ def load_data(cfg: Config, target_dir: Path, log=print):
         log(f"data: {len(dataset)} prepared samples from {cfg.data.paths[0]}")
         return dataset
     if cfg.data.paths == [BUNDLED_DATA]:
-        prepared = preparation.default_dataset(target_dir, max_length=cfg.data.max_length, log=log)
+        prepared = preparation.default_dataset(target_dir, max_length=cfg.data.max_length, log=log,
+                                               max_record_bytes=cfg.data.max_record_bytes)
     else:
         out = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "data"
         prepared = preparation.prepare(cfg.data.paths, target_dir, out, max_length=cfg.data.max_length,
-                                overlong=cfg.data.overlong, log=log)
+                                       overlong=cfg.data.overlong, log=log,
+                                       max_record_bytes=cfg.data.max_record_bytes)
     if len(prepared.dataset) == 0:
         raise ConfigError([f"data.paths: {preparation.no_samples(prepared)}"])
     return prepared.dataset
@@ -330,7 +343,7 @@ def target_files(cfg: Config, target_config=None):
     if target_config is None:
         target_dir = resolve_target_path(cfg.target.path)
         target_config = AutoConfig.from_pretrained(target_dir)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir)
     if cfg.objective.labels == "distill":
         problem = distill_problem(target_config)
         if problem:
@@ -391,7 +404,9 @@ def _checkpoint_manager(cfg: Config, dist: Dist, position: DataPosition, step: D
         return {"config.yaml": (out / "config.yaml").read_text(),
                 DRAFTER_CONFIG: step.drafter.config.to_json_string(use_diff=False)}
 
-    return CheckpointManager(out, cfg.checkpoint, dist, position, parts, texts, faults, enabled=enabled, log=log)
+    manager = CheckpointManager(out, cfg.checkpoint, dist, position, parts, texts, faults, enabled=enabled, log=log)
+    manager.settings_check = lambda found: settings_check(cfg, found)
+    return manager
 
 
 def batch_plan(cfg: Config, lengths) -> BatchPlan:
@@ -438,7 +453,24 @@ def begin(run: Run) -> None:
     warm_up(run)  # resumed or not: compiled shapes, and on CUDA the target's graphs
     if run.dist.is_leader:  # after resume: a refused checkpoint leaves the folder as it was
         run.out.mkdir(parents=True, exist_ok=True)
-        dump_yaml(run.cfg, run.out / "config.yaml")
+        write_config(run)
+
+
+HISTORY = "# resumed at step "  # the comment lines of config.yaml that keep its settings' history
+
+
+def write_config(run: Run) -> None:
+    """OUTPUT/config.yaml: this run's settings, under comment lines that keep the history of the
+    settings changed on each resume (`# resumed at step N: optim.lr 0.001 -> 0.0003`), so the
+    file still loads as a --config."""
+    path = run.out / "config.yaml"
+    history = [line for line in path.read_text().splitlines(keepends=True) if line.startswith(HISTORY)] \
+        if path.is_file() and run.steps_done else []
+    if run.checkpoints.changes:
+        history.append(f"{HISTORY}{run.steps_done}: {', '.join(map(str, run.checkpoints.changes))}\n")
+    dump_yaml(run.cfg, path)
+    if history:
+        path.write_text("".join(history) + path.read_text())
 
 
 def is_record_step(run: Run, n: int) -> bool:
@@ -478,11 +510,15 @@ def save_or_stop(run: Run, n: int, stop: Stop | None, sink) -> Stop | None:
 
 
 def end_loop(run: Run, stop: Stop | None, sink) -> None:
-    """The last state saved (a signal says so) and the transport drained."""
-    if stop is Stop.SIGNAL:
-        sink.event(f"{run.control.cause()} received: saving a checkpoint at step {run.steps_done} and exiting")
+    """The last state saved (after a signal: what was saved, where, and the command that
+    resumes) and the transport drained."""
     if run.checkpoints.saved_step != run.steps_done:
         run.checkpoints.save(run.steps_done)
+    if stop is Stop.SIGNAL:
+        saved = checkpoint_root(run.out) / f"step-{run.steps_done}"
+        sink.event(f"{run.control.cause()} received: the run stopped after step {run.steps_done} of "
+                   f"{run.total_steps} and saved its checkpoint {saved} (weights, optimizer, data position); "
+                   f"the same command resumes from it: {command_line()}")
     drain(run)
 
 
@@ -627,9 +663,16 @@ def target_agree(run: Run, step: int) -> Stop | None:
 
 
 def resume(run: Run) -> bool:
+    """Continue from the newest good checkpoint, if any; settings changed since it was saved
+    (only those a resumed run may change: checkpoint.settings_check) are applied and logged."""
     step = run.checkpoints.resume()
     if step is not None:
         run.steps_done = step
+        changes = run.checkpoints.changes
+        if changes:
+            run.log(f"resumed with changed settings, applied from step {step}: {', '.join(map(str, changes))}")
+            if run.step is not None:
+                run.step.apply_settings(run.cfg.optim)
     return step is not None
 
 
@@ -647,9 +690,33 @@ def warm_up(run: Run) -> None:
     run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s{captured}")
 
 
+RUN_LOCK = ".dflash-train.lock"  # in the run folder: held by the run's first process
+
+
 def train(cfg: Config, log=print, evaluation: Evaluation | None = None) -> Path | None:
+    """Train the run `cfg` describes, holding its output folder (`run_folder`) from the
+    checks to the export."""
     quiet_progress_bars()
-    run = build(cfg, log, evaluation=evaluation)
-    result = train_drafter(run) if run.step is not None else train_target(run)
-    run.dist.close()
+    check_inputs(cfg)
+    with run_folder(cfg.output_dir, log):
+        run = build(cfg, log, evaluation=evaluation)
+        result = train_drafter(run) if run.step is not None else train_target(run)
+        run.dist.close()
     return result
+
+
+@contextlib.contextmanager
+def run_folder(output_dir: str, log=print) -> Iterator[None]:
+    """The run folder, owned by this run: its first process (global rank 0, or the only one)
+    holds OUTPUT/.dflash-train.lock, so a second run on the folder is refused at once, naming
+    the holder (locks.hold); the lock of a killed run is taken over. A run refused before it
+    wrote anything leaves no folder or lock file behind."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    out = Path(output_dir)
+    lock = out / RUN_LOCK
+    with locks.discard_if_created(lock, out), locks.hold(
+            lock, f"output_dir {out}", "wait for that run to end (the same command then resumes it), or choose "
+            "another output_dir", log):
+        yield

@@ -195,7 +195,8 @@ def console_is_terminal() -> bool:
 
 def quiet_progress_bars() -> None:
     """Off a terminal, turn off the progress bars of the libraries a run loads through
-    (datasets' caching, transformers' weight loading): the log keeps its fixed lines only."""
+    (datasets' caching and saving, transformers' weight loading; every other tqdm bar is off
+    by TQDM_DISABLE, dflash_train.app): the log keeps its fixed lines only."""
     if console_is_terminal():
         return
 

@@ -109,6 +109,19 @@ class DrafterStep:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
 
+    def apply_settings(self, optim) -> None:
+        """After a resume with changed settings: AdamW's hyperparameters and the learning rate
+        as `optim` (this run's optim section) says, the rate at the schedule's point of the
+        resumed step (the loaded state carries what the checkpoint was saved with)."""
+        for group in self.optimizer.param_groups:
+            group.update(betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
+                         initial_lr=optim.lr)
+        scheduler = self.scheduler
+        scheduler.base_lrs = [optim.lr] * len(self.optimizer.param_groups)
+        for group, rule in zip(self.optimizer.param_groups, scheduler.lr_lambdas):
+            group["lr"] = optim.lr * rule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     def __call__(self, shipments) -> StepResult:
         """One optimizer step; `shipments` yields the next micro-batch only after the previous
         one's backward (a drafter rank's receive buffers are reused)."""
