@@ -82,50 +82,59 @@ def _lock(lock_file: Path) -> FileLock:
     return FileLock(str(lock_file), is_singleton=True, on_acquired=_write_holder)
 
 
-@contextlib.contextmanager
-def hold(lock_file: Path, what: str, fix: str, log: Callable[[str], None] = print) -> Iterator[None]:
-    """Hold `lock_file` while the block runs; when another process holds it, Busy at once:
-    `{what} is in use by pid P on host H (...): {fix}`. A lock whose holder died is taken."""
+def _acquire(lock_file: Path, when_busy: Callable[[FileLock], None],
+             unlocked: Callable[[OSError], None]) -> FileLock | None:
+    """`lock_file`'s lock, held; `when_busy(lock)` runs when another process holds it (it raises,
+    or acquires the lock by waiting). None, after `unlocked(error)`, on a filesystem without locks."""
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     lock = _lock(lock_file)
     try:
         lock.acquire(blocking=False)
     except Timeout:
-        raise Busy(f"{what} is in use by {holder(lock_file)}: {fix}") from None
+        when_busy(lock)
     except OSError as err:
         if err.errno not in NO_LOCKING:
             raise
+        unlocked(err)
+        return None
+    return lock
+
+
+@contextlib.contextmanager
+def hold(lock_file: Path, what: str, fix: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold `lock_file` while the block runs; when another process holds it, Busy at once:
+    `{what} is in use by pid P on host H (...): {fix}`. A lock whose holder died is taken."""
+
+    def refuse(lock: FileLock) -> None:
+        raise Busy(f"{what} is in use by {holder(Path(lock_file))}: {fix}") from None
+
+    def say_unlocked(err: OSError) -> None:
         log(f"{what}: this filesystem has no file locks ({err.strerror}); make sure no other process writes it")
-        yield
-        return
+
+    lock = _acquire(lock_file, refuse, say_unlocked)
     try:
         yield
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 @contextlib.contextmanager
 def wait_for(lock_file: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
     """Hold `lock_file` while the block runs, waiting for another holder to finish first (said
     once, with who it is): for a cache that processes started at once build once."""
-    lock_file = Path(lock_file)
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    lock = _lock(lock_file)
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        log(f"{what} is being built by {holder(lock_file)}; waiting for it")
+
+    def wait(lock: FileLock) -> None:
+        log(f"{what} is being built by {holder(Path(lock_file))}; waiting for it")
         lock.acquire()
-    except OSError as err:
-        if err.errno not in NO_LOCKING:
-            raise
-        yield
-        return
+
+    lock = _acquire(lock_file, wait, lambda err: None)
     try:
         yield
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 @contextlib.contextmanager
