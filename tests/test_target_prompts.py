@@ -36,8 +36,7 @@ from dflash_train.engine.sampling import stop_token_ids
 TINY = "bundled:tiny-random-llama"
 
 
-@pytest.fixture(scope="module")
-def writer_target():
+def shaped_tiny_target():
     """(model, tokenizer) of the tiny target with its logits shaped for writing (module docstring)."""
     folder = tiny_random_target_dir()
     model, tokenizer = load_target_model(str(folder), torch.device("cpu"))
@@ -53,6 +52,11 @@ def writer_target():
 
     model.lm_head.register_forward_hook(shape)
     return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def writer_target():
+    return shaped_tiny_target()
 
 
 def options(**kw) -> TargetPromptOptions:
@@ -106,6 +110,45 @@ def test_a_stopped_run_resumes_to_the_records_of_an_uninterrupted_one(tmp_path, 
     with open(part, "a", encoding="utf-8") as handle:  # a run killed while it wrote a line
         handle.write('{"id": "target-prompts:3:9", "source": "target-pro')
     assert run(part, writer_target, limit=7) == whole
+
+
+# The child of the kill test: the shaped tiny target writes `limit` records into `out` in
+# chunks of 8 candidates (2 rows), printing nothing.
+KILLED_WRITER = """import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_target_prompts import TINY, options, shaped_tiny_target
+from dflash_train.data.target_prompts import write_target_prompts
+model, tokenizer = shaped_tiny_target()
+write_target_prompts(TINY, Path(sys.argv[2]), options(limit=int(sys.argv[3]), batch_size=2), model=model,
+                     tokenizer=tokenizer, log=lambda *a: None)
+"""
+
+
+def test_a_process_killed_while_it_writes_resumes_to_the_records_of_an_uninterrupted_one(tmp_path, writer_target):
+    """SIGKILL of a real writing process once its first records are on disk (no handler runs):
+    the rerun keeps them, goes on from there, and ends with the records of one whole run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import subprocess_env
+
+    limit, out = 30, tmp_path / "killed.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(Path(__file__).parent), str(out), str(limit)],
+                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (out.is_file() and out.read_bytes().count(b"\n") >= 2):
+        assert child.poll() is None, child.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the writer wrote nothing in 300 s"
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(60) == -signal.SIGKILL  # killed, not finished
+    written = out.read_bytes().count(b"\n")
+    assert 2 <= written < limit
+    assert run(out, writer_target, limit=limit) == run(tmp_path / "whole.jsonl", writer_target, limit=limit)
 
 
 def test_a_deadline_stops_between_chunks_and_the_rerun_goes_on(tmp_path, writer_target):
