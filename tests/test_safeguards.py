@@ -192,6 +192,23 @@ def test_a_regeneration_output_and_a_cache_folder_have_one_owner(tmp_path, capsy
     assert done.is_set() and len(said) == 1
 
 
+def test_a_target_prompts_output_has_one_owner(tmp_path, capsys):
+    """`data source --source target-prompts` into an output another process is writing is
+    refused before anything loads, naming that process, and writes nothing."""
+    out = tmp_path / "own.jsonl"
+    holder = hold_in_child(tmp_path / ".own.jsonl.lock")
+    try:
+        argv = ["data", "source", "--source", "target-prompts", "--target", TARGET, "--out", str(out), "--limit", "2"]
+        assert cli.main(argv) == BAD_INPUT
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by pid {holder.pid} on host {socket.gethostname()}" in err
+        assert "choose another --out" in err and err.count("\n") == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".own.jsonl.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # --------------------------------------------------------------------------- memory by the record
 
 

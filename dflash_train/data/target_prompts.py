@@ -37,6 +37,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from dflash_train.core import locks
 from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import InputError, output_file_problem
 from dflash_train.core.target import load_target_model, resolve_target_path
@@ -385,6 +386,14 @@ def write_target_prompts(target: str, out: str | Path, options: TargetPromptOpti
         problems.append(f"--out {out}: {problem}")
     if problems:
         raise InputError("; ".join(problems))
+    lock = out.with_name(f".{out.name}.lock")
+    with locks.discard_if_created(lock, out.parent), locks.hold(
+            lock, f"--out {out}", "wait for that run to end, or choose another --out", log):
+        return _write_owned(target, out, options, model, tokenizer, log)
+
+
+def _write_owned(target: str, out: Path, options: TargetPromptOptions, model, tokenizer, log) -> dict:
+    """write_target_prompts once its checks passed and it owns `out`: resumed, then written."""
     first, done = resume_state(out, options.seed)
     target_dir = resolve_target_path(target, "--target")
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
