@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     PYTHONPATH, whatever PYTHONPATH already holds (packages installed with --target) after it."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def hold_lock_in_child(lock_file: Path) -> subprocess.Popen:
+    """A process that holds `lock_file` (as a run or a regeneration holds its own) until killed."""
+    script = ("import sys, time; from pathlib import Path; from dflash_train.core import locks\n"
+              "with locks.hold(Path(sys.argv[1]), 'it', 'wait'):\n"
+              "    print('held', flush=True); time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(lock_file)], env=subprocess_env(),
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
 
 
 def tiny_target_config(**overrides) -> LlamaConfig:

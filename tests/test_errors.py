@@ -12,15 +12,13 @@ import os
 import random
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import TINY, subprocess_env
+from conftest import TINY, hold_lock_in_child
 from dflash_train.app import cli
 from dflash_train.core.errors import BAD_INPUT, FAILED
 
@@ -77,7 +75,8 @@ def ws(tmp_path_factory):
                      "train.grad_accum=2", "data.limit=16"]) == 0
     targets = broken_targets(root / "targets", Path(target_dir))
     (root / "mine.jsonl").write_bytes(json.dumps(CHAT).encode())  # the user's own file, its last line cut
-    holders = [hold_lock(root / "busy-run" / ".dflash-train.lock"), hold_lock(root / ".taken.jsonl.lock")]
+    holders = [hold_lock_in_child(root / "busy-run" / ".dflash-train.lock"),
+               hold_lock_in_child(root / ".taken.jsonl.lock")]
     yield SimpleNamespace(root=root, target=str(target_dir), drafters=drafters, run=run, targets=targets)
     for holder in holders:
         holder.kill()
@@ -96,17 +95,6 @@ def broken_targets(root: Path, good: Path) -> SimpleNamespace:
     weights = (good / "model.safetensors").read_bytes()
     (folders.truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     return folders
-
-
-def hold_lock(lock_file: Path) -> subprocess.Popen:
-    """A process that holds `lock_file` (as a run or a regeneration holds its own) until killed."""
-    script = ("import sys, time; from pathlib import Path; from dflash_train.core import locks\n"
-              "with locks.hold(Path(sys.argv[1]), 'it', 'wait'):\n"
-              "    print('held', flush=True); time.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", script, str(lock_file)], env=subprocess_env(),
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
 
 
 def train(*args: str):

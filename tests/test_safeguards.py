@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, subprocess_env
+from conftest import ROOT, TINY, hold_lock_in_child, subprocess_env
 from dflash_train.app import cli
 from dflash_train.core import locks
 from dflash_train.core.assets import tiny_random_target_dir
@@ -122,16 +122,6 @@ def test_a_cut_line_is_repaired_only_in_an_output_this_project_writes(tmp_path, 
 # --------------------------------------------------------------------------- one owner at a time
 
 
-def hold_in_child(lock_file: Path) -> subprocess.Popen:
-    script = ("import sys, time; from pathlib import Path; from dflash_train.core import locks\n"
-              "with locks.hold(Path(sys.argv[1]), 'it', 'wait'):\n"
-              "    print('held', flush=True); time.sleep(600)\n")
-    child = subprocess.Popen([sys.executable, "-c", script, str(lock_file)], env=subprocess_env(),
-                             stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "held"
-    return child
-
-
 def test_a_second_training_on_the_same_folder_is_refused_naming_the_holder(tmp_path, capsys):
     """Two `train` runs on one output folder: while the first runs, the second exits 2 with one
     line naming the first's pid and host and changes nothing; once the first is killed (its
@@ -166,7 +156,7 @@ def test_a_regeneration_output_and_a_cache_folder_have_one_owner(tmp_path, capsy
     taken over when that process is killed."""
     chats = write_jsonl(tmp_path / "chats.jsonl", CHATS)
     out = tmp_path / "regen.jsonl"
-    holder = hold_in_child(tmp_path / ".regen.jsonl.lock")
+    holder = hold_lock_in_child(tmp_path / ".regen.jsonl.lock")
     try:
         assert cli.main(["data", "regenerate", "--data", str(chats), "--target", TARGET, "--out", str(out)]) == BAD_INPUT
         assert f"--out {out} is in use by pid {holder.pid}" in capsys.readouterr().err
@@ -175,7 +165,7 @@ def test_a_regeneration_output_and_a_cache_folder_have_one_owner(tmp_path, capsy
         holder.kill()
         holder.wait()
     cache_lock = tmp_path / ".cache-folder.lock"
-    holder = hold_in_child(cache_lock)
+    holder = hold_lock_in_child(cache_lock)
     said, done = [], threading.Event()
 
     def wait_then_build():
@@ -196,7 +186,7 @@ def test_a_target_prompts_output_has_one_owner(tmp_path, capsys):
     """`data source --source target-prompts` into an output another process is writing is
     refused before anything loads, naming that process, and writes nothing."""
     out = tmp_path / "own.jsonl"
-    holder = hold_in_child(tmp_path / ".own.jsonl.lock")
+    holder = hold_lock_in_child(tmp_path / ".own.jsonl.lock")
     try:
         argv = ["data", "source", "--source", "target-prompts", "--target", TARGET, "--out", str(out), "--limit", "2"]
         assert cli.main(argv) == BAD_INPUT

@@ -18,7 +18,6 @@ from dflash_train.app.cli import main
 from dflash_train.core.assets import tiny_random_target_dir
 from dflash_train.core.errors import InputError
 from dflash_train.core.target import load_target_model
-from dflash_train.data import target_prompts
 from dflash_train.data.chat_files import DataError, Record, iter_records
 from dflash_train.data.preparation import prepare
 from dflash_train.data.regenerate import RegenerationOptions, regenerate

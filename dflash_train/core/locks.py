@@ -82,10 +82,12 @@ def _lock(lock_file: Path) -> FileLock:
     return FileLock(str(lock_file), is_singleton=True, on_acquired=_write_holder)
 
 
-def _acquire(lock_file: Path, when_busy: Callable[[FileLock], None],
-             unlocked: Callable[[OSError], None]) -> FileLock | None:
-    """`lock_file`'s lock, held; `when_busy(lock)` runs when another process holds it (it raises,
-    or acquires the lock by waiting). None, after `unlocked(error)`, on a filesystem without locks."""
+@contextlib.contextmanager
+def _held(lock_file: Path, when_busy: Callable[[FileLock], None],
+          unlocked: Callable[[OSError], None]) -> Iterator[None]:
+    """`lock_file`'s lock held while the block runs; `when_busy(lock)` runs when another process
+    holds it (it raises, or acquires the lock by waiting). On a filesystem without locks the
+    block runs unlocked, after `unlocked(error)`."""
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     lock = _lock(lock_file)
@@ -97,8 +99,12 @@ def _acquire(lock_file: Path, when_busy: Callable[[FileLock], None],
         if err.errno not in NO_LOCKING:
             raise
         unlocked(err)
-        return None
-    return lock
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextlib.contextmanager
@@ -112,12 +118,8 @@ def hold(lock_file: Path, what: str, fix: str, log: Callable[[str], None] = prin
     def say_unlocked(err: OSError) -> None:
         log(f"{what}: this filesystem has no file locks ({err.strerror}); make sure no other process writes it")
 
-    lock = _acquire(lock_file, refuse, say_unlocked)
-    try:
+    with _held(lock_file, refuse, say_unlocked):
         yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 @contextlib.contextmanager
@@ -129,12 +131,8 @@ def wait_for(lock_file: Path, what: str, log: Callable[[str], None] = print) -> 
         log(f"{what} is being built by {holder(Path(lock_file))}; waiting for it")
         lock.acquire()
 
-    lock = _acquire(lock_file, wait, lambda err: None)
-    try:
+    with _held(lock_file, wait, lambda err: None):
         yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 @contextlib.contextmanager
