@@ -114,6 +114,26 @@ def test_data_stages_past_the_budget_are_not_started(tmp_path, monkeypatch):
                     "made"]
 
 
+def test_a_rerun_of_a_run_in_progress_trains_on_the_data_it_started_with(tmp_path, monkeypatch):
+    """A run folder with checkpoints: the rerun makes no data (a stage stopped at the budget
+    would go on and change the data) and resumes on the files its config.yaml names."""
+    import yaml
+
+    plan = Recipe.own_data(TINY, "cpu", str(tmp_path / "run"))
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path in files:
+        path.write_text("{}\n")
+    (tmp_path / "run" / "checkpoints" / "step-4").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"data": {"paths": [str(p) for p in files]}}))
+    monkeypatch.setattr(recipe, "make_data", lambda *a: pytest.fail("data made again"))
+    trained = []
+    monkeypatch.setattr(recipe, "train", lambda cfg, log, evaluation: trained.append(cfg) or None)
+    said: list[str] = []
+    assert recipe.run_recipe(plan, log=said.append) == recipe.INTERRUPTED
+    assert trained[0].data.paths == [str(p) for p in files]
+    assert f"{tmp_path / 'run'} holds a run in progress; it resumes on the data it started with" in said[0]
+
+
 def test_gpu_default_applies_only_to_one_process_with_a_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import AutoConfig
 
 from dflash_train.core.assets import cache_root, sharegpt_json
@@ -38,6 +39,7 @@ from dflash_train.data.chat_files import DataError
 from dflash_train.engine.decode import kv_bytes_per_row
 from dflash_train.eval import evaluate, results
 from dflash_train.eval.during_training import DuringTraining
+from dflash_train.train.checkpoint import list_checkpoints
 from dflash_train.train.loop import train
 
 QUALITY_TRAIN_ARGS: tuple[str, ...] = (
@@ -226,7 +228,7 @@ def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
         check_gpu_memory(total)
         rows = regen_rows(plan, free, AutoConfig.from_pretrained(resolve_target_path(plan.target)))
     deadline = started + plan.data_share * plan.budget_s if plan.budget_s else None
-    files = make_data(plan, rows, deadline, log)
+    files = data_of_run_in_progress(plan, log) or make_data(plan, rows, deadline, log)
     if files is None:
         return INTERRUPTED
     _release()
@@ -244,6 +246,25 @@ def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
     _release()
     serve(plan, drafter, Path(cfg.output_dir), log)
     return 0
+
+
+def data_of_run_in_progress(plan: Recipe, log) -> list[Path] | None:
+    """The training files of a run stopped in plan.output_dir (checkpoints, no exported drafter
+    yet): a rerun resumes that training on the data it started with, instead of making more (a
+    data stage that stopped at the budget would go on, and the run would train on other data than
+    it resumes). None when there is no such run."""
+    out = Path(plan.output_dir)
+    if not list_checkpoints(out) or (out / "drafter" / "config.json").is_file():
+        return None
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    paths = ((saved.get("data") or {}).get("paths") or []) if isinstance(saved, dict) else []
+    if not paths:
+        return None
+    log(f"dflash-train train: {out} holds a run in progress; it resumes on the data it started with")
+    return [Path(path) for path in paths]
 
 
 def make_data(plan: Recipe, rows: int, deadline: float | None, log) -> list[Path] | None:

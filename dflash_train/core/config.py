@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from dflash_train.core.drafter import tap_order_problem
 from dflash_train.core.errors import InputError
 
 BUNDLED_TARGET = "bundled:smollm2-135m-instruct"
@@ -88,10 +89,9 @@ class DrafterSection:
         if self.block_size < 2:
             p.append(f"drafter.block_size must be >= 2, got {self.block_size}")
         ids = self.target_layer_ids
-        if ids and all(isinstance(i, int) for i in ids) and any(a >= b for a, b in zip(ids, ids[1:])):
-            p.append(f"drafter.target_layer_ids must be strictly increasing (distinct layers, in layer order), got "
-                     f"{ids}: serving engines capture the taps in layer order, one feature per layer, so these "
-                     f"would serve another drafter than the one trained; e.g. {sorted(set(ids))}")
+        order = tap_order_problem(ids) if ids and all(isinstance(i, int) for i in ids) else None
+        if order:
+            p.append(f"drafter.target_layer_ids must be strictly increasing: {order}")
         positive(p, "drafter.num_taps", self.num_taps, allow_none=True)
         positive(p, "drafter.sliding_window", self.sliding_window, allow_none=True)
         return p

@@ -283,10 +283,9 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     disaggregated run calls `build_heads()` (embedding and lm_head, as target.TargetHeads).
     `checkpointing=False`: nothing is resumed or saved, on every rank alike. `dist`: this rank's
     Dist, when the caller made it already (default: from torchrun's environment). `evaluation`:
-    what the leader measures every eval.every steps (none: nothing is evaluated)."""
+    what the leader measures every eval.every steps (none: nothing is evaluated). The cheap
+    checks of `cfg` (check_inputs) are the caller's: `train` makes them before it owns the folder."""
     assert (target_config is None) == (build_target is None) == (dataset is None), "inject all three or none"
-    if target_config is None:
-        check_inputs(cfg)
     dist = Dist.from_env(cfg.topology, cfg.train.device) if dist is None else dist
     device, lead_log = dist.device, dist.log_fn(log)
     prefix = f"{dist.name()}: " if dist.world_size > 1 else ""
