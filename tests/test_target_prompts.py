@@ -208,7 +208,11 @@ class Scripted:
     def submit(self, key, text, ids, seed):
         self.queue.append(key)
 
-    def poll(self):
+    @property
+    def load(self):
+        return len(self.queue)
+
+    def poll(self, wait=True):
         out = [(key, *self.script[key].pop(0), []) for key in self.queue]
         self.queue = []
         return out
@@ -236,6 +240,35 @@ def test_the_writer_drops_and_cuts_by_the_filters_and_keeps_the_first_copy(smoll
                                                         "The Danube, the Rhine and the Loire."]
     assert counts == {"exact duplicate": 1, "refusal": 1, "truncated": 1, "user turns dropped: empty": 1,
                       "empty answer": 1}
+
+
+class OneAtATime(Scripted):
+    """A Scripted responder that finishes one turn per poll and notes, at each submit, how many
+    turns the other engine still holds."""
+
+    def __init__(self, script, other=None):
+        super().__init__(script)
+        self.other, self.seen = other, []
+
+    def submit(self, key, text, ids, seed):
+        self.seen.append(self.other.load if self.other else None)
+        super().submit(key, text, ids, seed)
+
+    def poll(self, wait=True):
+        key, self.queue = self.queue[0], self.queue[1:]
+        return [(key, *self.script[key].pop(0), [])]
+
+
+def test_a_conversation_is_answered_while_the_others_are_still_written(smollm2_tokenizer):
+    """No phase waits for the chunk's slowest turn: the first user turn back is answered at once,
+    while the sampling engine still writes the other conversations' turns."""
+    user = {i: [(f"Question number {i} about rivers and seas?", True)] for i in range(4)}
+    sampler = OneAtATime(user)
+    answerer = OneAtATime({i: [(f"Answer {i}.", True)] for i in range(4)}, other=sampler)
+    writer = Writer(Template(smollm2_tokenizer, "smollm2"), sampler, answerer, options(system_share=0.0), {})
+    kept = writer.write([Conversation(i, 1, False) for i in range(4)], Deduplicator(0.8))
+    assert [c.index for c in kept] == [0, 1, 2, 3]
+    assert answerer.seen[0] == 3  # conversation 0's answer asked with three user turns still in the sampler
 
 
 @pytest.mark.parametrize("template", ["smollm2", "llama3", "qwen3"])

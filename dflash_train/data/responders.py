@@ -74,6 +74,11 @@ class LocalResponder:
         return self.slots.generated
 
     @property
+    def load(self) -> int:
+        """Turns live on the engine or waiting for a row."""
+        return len(self.slots.pending) + self.slots.num_live
+
+    @property
     def capture_seconds(self) -> float:
         return self.slots.steps.graphs.capture_seconds
 
@@ -84,9 +89,13 @@ class LocalResponder:
     def submit(self, key, text: str, ids: list[int], seed: int) -> None:
         self.slots.add(key, ids, self.max_new_tokens, seed)
 
-    def poll(self) -> list[tuple[Any, str, bool, list[int]]]:
+    def poll(self, wait: bool = True) -> list[tuple[Any, str, bool, list[int]]]:
+        """As Responder.poll; `wait=False`: one decode step at most, its finished turns (maybe
+        none), so that a caller can step two engines in turn."""
         while self.slots.busy:
             done = self.slots.step()
+            if not done and not wait:
+                return []
             if done:
                 began = time.perf_counter()
                 answers = [f.output_ids[:-1] if f.stopped else f.output_ids for f in done]

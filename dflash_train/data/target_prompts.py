@@ -204,24 +204,19 @@ class Template:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def decode_all(responder: LocalResponder, requests: list[tuple[object, list[int], int]]) -> dict:
-    """key -> (text, stopped on a stop token) for every (key, prompt ids, seed)."""
-    for key, ids, seed in requests:
-        responder.submit(key, "", ids, seed)
-    answers = {}
-    while len(answers) < len(requests):
-        for key, text, stopped, _ in responder.poll():
-            answers[key] = (text, stopped)
-    return answers
-
-
 class Writer:
-    """The target's conversations for one chunk of candidates, in candidate order."""
+    """The target's conversations for one chunk of candidates, in candidate order. Each
+    conversation goes its own way through its turns (a system turn, a user turn, its answer,
+    the next user turn, ...): a turn is asked as soon as the one before it is written, on the
+    sampling engine (written turns) or the greedy one (answers), so that both engines stay full
+    while the chunk's conversations are at different turns."""
 
     def __init__(self, template: Template, sampler: LocalResponder, answerer: LocalResponder,
                  options: TargetPromptOptions, counts: dict[str, int]) -> None:
         self.template, self.sampler, self.answerer = template, sampler, answerer
         self.options, self.counts = options, counts
+        self.asked: dict[tuple[str, int], tuple[Conversation, str]] = {}  # in flight: (engine, index) -> turn
+        self.dedup: Deduplicator | None = None
 
     def candidates(self, first: int, count: int) -> list[Conversation]:
         out = []
@@ -237,21 +232,19 @@ class Writer:
         user turn that repeats a record kept before the chunk is dropped before it is answered;
         one that repeats an earlier candidate of the chunk after, in candidate order, so that
         which of two copies is kept depends on neither batching nor where a run was resumed."""
-        self.sample_turns([c for c in conversations if c.system], "system")
-        self.sample_turns(conversations, "user")
+        self.dedup = dedup
         for c in conversations:
-            reason = dedup.check(first_user(c)) if c.alive else None
-            if reason is not None:
-                self.drop(c, reason)
-        live = [c for c in conversations if c.alive]
-        while True:
-            self.answer([c for c in live if c.alive and c.messages[-1]["role"] == "user"])
-            more = [c for c in live if c.alive and c.users < c.turns and self.fits(c, self.options.max_prompt_tokens)]
-            if not more:
-                break
-            self.sample_turns(more, "user", cut=True)
+            self.ask(c, "system" if c.system else "user")
+        while self.asked:
+            for name, engine in self.engines_to_step():
+                for key, text, stopped, _ in engine.poll(wait=False):
+                    c, role = self.asked.pop((name, key))
+                    if role == "assistant":
+                        self.answered(c, text, stopped)
+                    else:
+                        self.written(c, role, text, stopped)
         kept = []
-        for c in live:
+        for c in conversations:
             if c.alive and any(m["role"] == "assistant" for m in c.messages):
                 reason = dedup.check_and_add(str(c.index), first_user(c))
                 if reason is None:
@@ -260,44 +253,62 @@ class Writer:
                     self.drop(c, reason)
         return kept
 
-    def sample_turns(self, conversations: list[Conversation], role: str, cut: bool = False) -> None:
-        """The target writes the next `role` turn of each; one that fails a filter drops its
-        conversation (a system turn: the conversation goes on without one; `cut`: it ends before
-        the turn)."""
-        live = [c for c in conversations if c.alive]
-        requests = [(c.index, self.template.ids(self.template.opening(c.messages, role)),
-                     turn_seed(self.options.seed, c.index, 2 * c.users + (role == "user"))) for c in live]
-        written = decode_all(self.sampler, requests)
-        for c in live:
-            text, stopped = written[c.index]
-            reason = turn_problem(text, stopped)
-            if reason is None:
-                c.messages.append({"role": role, "content": text.strip()})
-            elif role == "user" and not cut:
+    def engines_to_step(self) -> list[tuple[str, LocalResponder]]:
+        """The engines to step once each now: those with at least half of their rows' worth of
+        turns live or waiting (an engine stepped with few rows costs nearly a full step), or,
+        where neither has, both that have any (the chunk's last turns)."""
+        engines = [("sampler", self.sampler), ("answerer", self.answerer)]
+        full = [(name, e) for name, e in engines if e.load >= max(1, e.capacity // 2)]
+        return full or [(name, e) for name, e in engines if e.load]
+
+    def ask(self, c: Conversation, role: str) -> None:
+        """The target writes c's next `role` turn (sampled, one seed per record and turn)."""
+        ids = self.template.ids(self.template.opening(c.messages, role))
+        self.sampler.submit(c.index, "", ids, turn_seed(self.options.seed, c.index, 2 * c.users + (role == "user")))
+        self.asked[("sampler", c.index)] = (c, role)
+
+    def written(self, c: Conversation, role: str, text: str, stopped: bool) -> None:
+        """A written turn back: kept, or what its filter says. A failed system turn leaves the
+        conversation without one; a failed first user turn (or one that repeats a record kept
+        before the chunk) drops the candidate; a failed later one ends the conversation before it."""
+        reason = turn_problem(text, stopped)
+        first = role == "user" and c.users == 0
+        if reason is None:
+            c.messages.append({"role": role, "content": text.strip()})
+            reason = self.dedup.check(first_user(c)) if first else None
+            if reason is not None:
                 self.drop(c, reason)
             else:
-                self.count(f"{role} turns dropped: {reason}")
-                if cut:
-                    c.turns = c.users
-
-    def answer(self, conversations: list[Conversation]) -> None:
-        """Each conversation's last user turn answered at T = 0. A turn whose answer would pass
-        max_length, or whose answer is empty, ends its conversation before it (the first turn:
-        the candidate is dropped); an answer cut at its budget is marked unfinished, as
-        regeneration marks it."""
-        fit = [c for c in conversations if self.fits(c, self.options.max_new_tokens)]
-        for c in conversations:
-            if c not in fit:
-                self.end_before_last_turn(c, "over-long")
-        requests = [(c.index, self.template.ids(render(self.template.tokenizer, c.messages, generation_prompt=True)),
-                     0) for c in fit]
-        answers = decode_all(self.answerer, requests)
-        for c in fit:
-            text, stopped = answers[c.index]
-            if text.strip():
-                c.messages.append({"role": "assistant", "content": text, **({} if stopped else {"unfinished": True})})
+                self.ask(c, "user") if role == "system" else self.answer(c)
+        elif first:
+            self.drop(c, reason)
+        else:
+            self.count(f"{role} turns dropped: {reason}")
+            if role == "system":
+                self.ask(c, "user")
             else:
-                self.end_before_last_turn(c, "empty answer")
+                c.turns = c.users
+
+    def answer(self, c: Conversation) -> None:
+        """c's last user turn answered at T = 0; a turn whose answer would pass max_length ends
+        its conversation before it (the first turn: the candidate is dropped)."""
+        if not self.fits(c, self.options.max_new_tokens):
+            self.end_before_last_turn(c, "over-long")
+            return
+        ids = self.template.ids(render(self.template.tokenizer, c.messages, generation_prompt=True))
+        self.answerer.submit(c.index, "", ids, 0)
+        self.asked[("answerer", c.index)] = (c, "assistant")
+
+    def answered(self, c: Conversation, text: str, stopped: bool) -> None:
+        """An answer back: an empty one ends the conversation before its user turn; one cut at
+        its budget is marked unfinished, as regeneration marks it. Then the next user turn, while
+        the conversation wants one and has room for it."""
+        if not text.strip():
+            self.end_before_last_turn(c, "empty answer")
+            return
+        c.messages.append({"role": "assistant", "content": text, **({} if stopped else {"unfinished": True})})
+        if c.users < c.turns and self.fits(c, self.options.max_prompt_tokens):
+            self.ask(c, "user")
 
     def end_before_last_turn(self, c: Conversation, reason: str) -> None:
         c.messages.pop()
