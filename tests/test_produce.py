@@ -180,7 +180,7 @@ class _FakeP2P:
 
 class _FakeDist:
     device = torch.device("cpu")
-    target_ranks = [0]
+    target_ranks = producers = [0]
 
     def wait(self, work, what):
         return work.wait()

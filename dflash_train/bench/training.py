@@ -96,6 +96,8 @@ def run_bench(workload: str, steps: int | None = None, warmup: int | None = None
         idle = profile_steps(run, counter, num_profile, profile_summary, first_step=timed.first_step)
         counter.handle.remove()
     flops = step_flops(run, config, timed.work, target_ran=not drafter_only)
+    if run.step.sharding is not None:  # train.fsdp in one process: the process group it made
+        run.step.sharding.close()
     return bench_report(workload, run, timed, flops, peak_flops(device, peak_tflops), idle, drafter_only, overrides)
 
 

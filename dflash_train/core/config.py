@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import torch
 import yaml
 
 from dflash_train.core.drafter import tap_order_problem
@@ -287,9 +288,19 @@ class TrainSection:
     """CPU intra-op threads (torch.set_num_threads). Default: 1 where the run's device is a GPU
     (the host's CPU tensor work there is small bookkeeping whose parallel regions stall when
     other work shares the host's cores: docs/PERFORMANCE.md), torch's choice on CPU."""
+    fsdp: bool = False
+    """Shard the drafter, its gradients and its AdamW state over the drafter ranks with FSDP2
+    (torch's fully_shard, per decoder layer, then the rest of the drafter) instead of a whole
+    replica on every rank; the same batches and losses (up to the order of sums over ranks).
+    Checkpoints are then written sharded (torch.distributed.checkpoint) and resume on any number
+    of ranks, with or without FSDP; the export is one folder, as without. Also on one process (a
+    process group of its own). docs/ARCHITECTURE.md, "A sharded drafter (train.fsdp)"."""
 
     def problems(self) -> list[str]:
         p = []
+        if self.fsdp and not torch.distributed.is_available():
+            p.append("train.fsdp=true needs torch.distributed, which this torch build lacks: install a build "
+                     "with distributed support, or set train.fsdp=false")
         positive(p, "train.epochs", self.epochs)
         positive(p, "train.max_steps", self.max_steps, allow_none=True)
         positive(p, "train.max_time_s", self.max_time_s, allow_none=True)
@@ -404,13 +415,24 @@ class TopologySection:
     """Seconds a rank waits for another (a batch, a send slot, a collective) before it exits
     non-zero naming what it waited for; must exceed the longest pause of any rank (a step, a
     checkpoint save, an evaluation)."""
+    target_tp: int = 1
+    """Ranks of one node that hold one target replica together, tensor parallel through the
+    target's transformers plan (Llama, Qwen2/3, Qwen3-MoE, Mixtral, Gemma, ...). Colocated: each
+    group of target_tp consecutive ranks runs the target on each member's micro-batch in turn
+    (the drafter stays data parallel over every rank); disaggregated: the target ranks of a node
+    form groups of target_tp, each one producer whose first rank sends. Same batches, same
+    numbers as 1."""
 
     def problems(self) -> list[str]:
         p = []
+        positive(p, "topology.target_tp", self.target_tp)
         if self.mode == "disaggregated":
             if self.num_target_ranks is None or self.num_target_ranks < 1:
                 p.append(f"topology.num_target_ranks must be >= 1 in disaggregated mode (target ranks per node), "
                          f"got {self.num_target_ranks!r}")
+            elif self.target_tp > 0 and self.num_target_ranks % self.target_tp:
+                p.append(f"topology.num_target_ranks ({self.num_target_ranks}) must be a multiple of "
+                         f"topology.target_tp ({self.target_tp}): a node's target ranks form groups of target_tp")
         elif self.num_target_ranks is not None:
             p.append("topology.num_target_ranks is for topology.mode=disaggregated only (colocated: every rank "
                      "holds the target); remove it or set topology.mode=disaggregated")

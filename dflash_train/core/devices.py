@@ -1,8 +1,10 @@
-"""Devices and dtypes: the device a setting names, the dtype used on it, and waiting for its queued work."""
+"""Devices and dtypes: the device a setting names, the dtype used on it, waiting for its queued work, and
+a tensor split over devices (a DTensor) made whole."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dflash_train.core.errors import InputError
 
@@ -30,3 +32,10 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` (a no-op off CUDA): before reading a host clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` as one plain tensor on this rank: a DTensor (a weight or an output of a tensor-parallel
+    target, a sharded drafter's gradient norm) gathered over its mesh (a collective: every rank of
+    the mesh calls it alike); anything else as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

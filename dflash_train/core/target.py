@@ -5,7 +5,10 @@ Owns everything the drafter needs from the target model: its embedding and lm_he
 rank), and the outputs of the tapped decoder layers for a padded batch (computed only up to the
 last tapped layer unless the objective needs the target's own predictions: its greedy token,
 or its final hidden state for distillation). Packing those outputs for the drafter is
-produce.py's.
+produce.py's. A target may also be loaded tensor parallel over the ranks of one target group
+(topology.target_tp: transformers' own plan of its model type, checked first by
+`tensor_parallel_problems`); what leaves it (taps, final state, embedding and lm_head weights)
+is whole and replicated on every rank of the group (`whole`).
 
 Batches are right-padded, so with causal attention no real token ever attends to padding and
 the target runs without an attention mask.
@@ -22,15 +25,18 @@ import zipfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dflash_train.core.assets import qwen2_5_coder_dir, smollm2_dir, tiny_random_target_dir
 from dflash_train.core.attention import CAUSAL_ATTENTION, UseAttention, has_sliding_layers, register_attention
 from dflash_train.core.config import BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET, runs_whole_target
-from dflash_train.core.devices import resolve_dtype
+from dflash_train.core.devices import resolve_dtype, whole
 from dflash_train.core.errors import InputError, MissingPath
 
 # A tokenizer's own files: tokenizer.json alone is a whole fast tokenizer; the others are the
@@ -38,6 +44,11 @@ from dflash_train.core.errors import InputError, MissingPath
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Model classes whose name says causal LM (AutoModelForCausalLM loads them).
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# The sizes a tensor-parallel target splits evenly over the ranks of its group: transformers'
+# plans shard attention by heads (query and key/value), the MLPs and experts by their
+# intermediate size, and the lm_head by vocabulary rows.
+TP_SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "vocab_size")
 
 
 class TargetFolderError(InputError):
@@ -179,13 +190,44 @@ def load_tokenizer(folder: Path, setting: str = "target.path"):
                          f"again") from err
 
 
-def load_target_model(path: str, device: torch.device, dtype: str | torch.dtype = "auto"):
+def load_target_model(path: str, device: torch.device, dtype: str | torch.dtype = "auto",
+                      tp_mesh: DeviceMesh | None = None):
     """The target (every layer and the lm_head) and its tokenizer: frozen, eval mode, on
-    `device`. Training, evaluation and regeneration all load it here."""
+    `device`. Training, evaluation and regeneration all load it here. With `tp_mesh` (a 1-D mesh
+    of the ranks of one target group, topology.target_tp) the target is loaded tensor parallel
+    over it by transformers' own plan of its model type, each rank reading its shards alone."""
     folder = resolve_target_path(path)
     tokenizer = load_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
+    sharding = {} if tp_mesh is None else tensor_parallel_loading(tp_mesh)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa",
+                                                 **sharding)
+    if tp_mesh is not None:  # the group's size, where loading had to be told the world's (below)
+        model._tp_size = model.config.distributed_config.tp_size = tp_mesh.size()
     return model.to(device).eval().requires_grad_(False), tokenizer
+
+
+def tensor_parallel_loading(tp_mesh: DeviceMesh) -> dict:
+    """from_pretrained's arguments for a target sharded over `tp_mesh` by its model type's plan.
+    The mesh decides the sharding (which ranks, which shard is this rank's); transformers also
+    requires DistributedConfig.tp_size to be the world size, which a group of some of the ranks
+    is not (disaggregated runs, several groups), so it is told that and corrected after loading."""
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()),
+            "device_mesh": tp_mesh}
+
+
+def tensor_parallel_problems(config, tp: int, setting: str = "topology.target_tp") -> list[str]:
+    """Why the target of transformers config `config` cannot run tensor parallel over `tp` ranks
+    (read from its config alone, before anything loads): its model type ships no plan, or a size
+    the plan splits is not a multiple of `tp`."""
+    if tp <= 1:
+        return []
+    text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        return [f"{setting}={tp}: the target's model type {text.model_type!r} has no tensor-parallel plan in "
+                f"transformers (its config's base_model_tp_plan is empty): set {setting}=1 for this target"]
+    return [f"{setting}={tp}: the target's {name} ({value}) is not a multiple of {tp}, so its shards would be "
+            f"uneven: choose a {setting} that divides it" for name in TP_SPLIT_SIZES
+            if isinstance(value := getattr(text, name, None), int) and value % tp]
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
@@ -213,7 +255,7 @@ class LayerTaps:
 
     def _hook(self, index: int):
         def hook(module, args, output):
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+            self.outputs[index] = whole(output[0] if isinstance(output, tuple) else output)
 
         return hook
 
@@ -272,9 +314,14 @@ class Target:
             self.decoder.layers = nn.ModuleList(list(layers)[: max(self.layer_ids) + 1])
         self.taps = LayerTaps(model, self.layer_ids)
         self.attention = capture_attention(model)
-        self.embed_weight = model.get_input_embeddings().weight
-        head = model.get_output_embeddings()
-        self.lm_head_weight = head.weight if head is not None else self.embed_weight
+        # A tensor-parallel target (topology.target_tp) holds shards of its weights; the drafter
+        # and the greedy labels read whole ones, gathered once here.
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+        with torch.no_grad():
+            self.embed_weight = whole(embed)
+            self.lm_head_weight = whole(head.weight) if head is not None and head.weight is not embed \
+                else self.embed_weight
 
     @torch.no_grad()
     def capture(self, input_ids_bL: torch.Tensor, concat: bool = True):
@@ -289,10 +336,10 @@ class Target:
                 out = self.decoder(input_ids=input_ids_bL, use_cache=False)
         features = self.taps.features(concat)
         if self.labels == "distill":
-            return features, out.last_hidden_state
+            return features, whole(out.last_hidden_state)
         greedy = None
         if self.labels == "target":
-            last = out.last_hidden_state
+            last = whole(out.last_hidden_state)
             greedy = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
             rows = 1024  # lm_head in chunks of positions: never [b, L, V] logits at once
             flat, flat_out = last.reshape(-1, last.shape[-1]), greedy.view(-1)
@@ -305,9 +352,10 @@ class Target:
 
 
 def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int],
-                labels: str = "data") -> tuple[Target, object]:
-    """Load, freeze and wrap the target (`labels`: objective.labels); returns (Target, tokenizer)."""
-    model, tokenizer = load_target_model(path, device, dtype)
+                labels: str = "data", tp_mesh: DeviceMesh | None = None) -> tuple[Target, object]:
+    """Load, freeze and wrap the target (`labels`: objective.labels; `tp_mesh`: its target group's
+    mesh, load_target_model); returns (Target, tokenizer)."""
+    model, tokenizer = load_target_model(path, device, dtype, tp_mesh)
     return Target(model, layer_ids, labels), tokenizer
 
 

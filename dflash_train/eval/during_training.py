@@ -19,11 +19,11 @@ class DuringTraining:
         self.walker: Walker | None = None
         self.served: TrainingEvaluator | None = None
 
-    def __call__(self, run) -> tuple[dict, dict]:
-        """(walked fields, served fields) of the current weights; either is empty when the run has
+    def __call__(self, run, drafter) -> tuple[dict, dict]:
+        """(walked fields, served fields) of `drafter`, the run's drafter with its current weights
+        whole (a sharded one gathered: train.loop.log_record); either is empty when the run has
         no validation split or no eval.prompts."""
         walked, served = {}, {}
-        drafter = run.step.drafter
         if run.validation is not None:
             self.walker = self.walker or validation_walker(run)
             walked = self.walker(drafter).record()
@@ -35,10 +35,11 @@ class DuringTraining:
 
 def validation_walker(run) -> Walker:
     """The walk of the held-out samples on the leader, in the training step's attention, autocast
-    and target heads, with the run's own target where the rank holds one, else (a drafter rank of
-    a disaggregated run) a copy of it loaded here."""
+    and target heads, with the run's own target where the rank holds a whole one, else (a drafter
+    rank of a disaggregated run; a target sharded over its group by topology.target_tp, which runs
+    only with all of the group) a copy of it loaded here."""
     cfg, step, device = run.cfg, run.step, run.dist.device
-    target = run.producer.target if run.producer is not None else None
+    target = run.producer.target if run.producer is not None and run.dist.tp_mesh is None else None
     if target is None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             target = load_target(cfg.target.path, device, cfg.target.dtype, step.drafter.target_layer_ids, "data")[0]

@@ -16,6 +16,12 @@ with D' ranks and A' whenever D x A = D' x A' (the same global micro-batches per
 either mode and with any number of target ranks; another global batch is refused. Each rank also
 writes its own RNG states (`rank-R.pt`), restored when the topology is unchanged.
 
+A sharded drafter (train.fsdp) saves its weights and optimizer as torch.distributed.checkpoint
+files in `sharded/` (each drafter rank writes its shards; sharding.ShardedState) instead of
+drafter.safetensors and optimizer.pt; the other parts are as above. Either kind resumes on any
+number of drafter ranks, with or without FSDP: a sharded run loads an unsharded checkpoint's
+whole tensors, and a run without FSDP reads a sharded one whole (sharding.read_sharded).
+
 The served format of a drafter is export.py's.
 """
 
@@ -39,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from dflash_train.core.config import Config, SettingsChange, settings_changes, to_dict
 from dflash_train.core.drafter import DFlashDrafter, config_from_dict
 from dflash_train.core.errors import InputError
+from dflash_train.train.sharding import optimizer_by_index, read_sharded
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -46,6 +53,9 @@ STATE = "trainer_state.json"
 DRAFTER_CONFIG = "drafter_config.json"
 # Parts stored in files of their own; every other part goes into trainer_state.json by name.
 FILES = {"drafter": "drafter.safetensors", "optimizer": "optimizer.pt", "rng": "rng.pt"}
+# The part of a sharded drafter and its optimizer (sharding.ShardedState), and the folder of its
+# files in a checkpoint (in place of the drafter's and the optimizer's files).
+SHARDED = "sharded"
 
 
 class CheckpointError(InputError):
@@ -205,8 +215,8 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def verify_checkpoint(path: Path, only: tuple[str, ...] | None = None) -> str | None:
-    """None if every file (with `only`: those of these names) matches the sidecar's hash, else
-    what is wrong."""
+    """None if every file (with `only`: those of these names, a name ending in / every file in
+    that folder) matches the sidecar's hash, else what is wrong."""
     meta_file = path / META
     if not meta_file.is_file():
         return "no meta.json (an interrupted save)"
@@ -215,11 +225,11 @@ def verify_checkpoint(path: Path, only: tuple[str, ...] | None = None) -> str | 
         files = meta["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         return f"meta.json unreadable ({err})"
-    missing = [name for name in only or () if name not in files]
+    missing = [name for name in only or () if not any(_selected(f, (name,)) for f in files)]
     if missing:
         return f"meta.json lists no {', '.join(missing)}"
     for name, digest in files.items():
-        if only is not None and name not in only:
+        if only is not None and not _selected(name, only):
             continue
         f = path / name
         if not f.is_file():
@@ -227,6 +237,15 @@ def verify_checkpoint(path: Path, only: tuple[str, ...] | None = None) -> str | 
         if _sha256(f) != digest:
             return f"{name} does not match its checksum (truncated or corrupted)"
     return None
+
+
+def _selected(name: str, only: tuple[str, ...]) -> bool:
+    return any(name == o or (o.endswith("/") and name.startswith(o)) for o in only)
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint `path` holds a sharded drafter (train.fsdp) rather than whole files."""
+    return (path / SHARDED).is_dir()
 
 
 def find_resumable(output_dir: str | Path, log=print) -> Path | None:
@@ -254,9 +273,14 @@ def _load_tensors(file: Path, device: torch.device | str):
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:
+    """Every part of checkpoint `path`, whole; a sharded one's optimizer state is keyed by
+    parameter name."""
+    sharded = is_sharded(path)
     return {
-        "drafter": load_file(str(path / FILES["drafter"]), device=str(device)),
-        "optimizer": _load_tensors(path / FILES["optimizer"], device),
+        "drafter": read_sharded(path / SHARDED, "drafter") if sharded else load_file(str(path / FILES["drafter"]),
+                                                                                     device=str(device)),
+        "optimizer": read_sharded(path / SHARDED, "optimizer") if sharded else _load_tensors(
+            path / FILES["optimizer"], device),
         "rng": _load_tensors(path / FILES["rng"], "cpu"),
         "trainer": json.loads((path / STATE).read_text()),
         "drafter_config": json.loads((path / DRAFTER_CONFIG).read_text()),
@@ -272,20 +296,23 @@ def drafter_from_checkpoint(path: Path):
         found = list_checkpoints(path)
         raise CheckpointError(f"{path} is a run folder: give one of its checkpoints, e.g. "
                               f"{found[-1] if found else path / CHECKPOINTS / 'step-N'}")
-    problem = verify_checkpoint(path, only=(FILES["drafter"], DRAFTER_CONFIG))
+    sharded = is_sharded(path)
+    problem = verify_checkpoint(path, only=(f"{SHARDED}/" if sharded else FILES["drafter"], DRAFTER_CONFIG))
     if problem is not None:
         raise CheckpointError(f"{path}: not a usable checkpoint: {problem}")
     model = DFlashDrafter(config_from_dict(json.loads((path / DRAFTER_CONFIG).read_text()), str(path / DRAFTER_CONFIG)))
-    model.load_state_dict(load_file(str(path / FILES["drafter"])))
+    model.load_state_dict(read_sharded(path / SHARDED, "drafter") if sharded else load_file(str(path / FILES["drafter"])))
     return model
 
 
 def _write_folder(tmp: Path, states: dict, record: dict, texts: dict[str, str],
                   halfway: Callable[[Path], None] | None) -> None:
-    """The files of one checkpoint, in `tmp`: the parts of FILES, then trainer_state.json (the
-    other parts, by name, and `record`), the texts, and meta.json with every file's hash."""
-    save_file({k: v.detach().contiguous().cpu() for k, v in states["drafter"].items()}, str(tmp / FILES["drafter"]))
-    torch.save(states["optimizer"], tmp / FILES["optimizer"])
+    """The files of one checkpoint, in `tmp` (which may hold the sharded files already): the
+    parts of FILES, then trainer_state.json (the other parts, by name, and `record`), the texts,
+    and meta.json with every file's hash."""
+    if "drafter" in states:  # else sharded (train.fsdp): in tmp/sharded/
+        save_file({k: v.detach().contiguous().cpu() for k, v in states["drafter"].items()}, str(tmp / FILES["drafter"]))
+        torch.save(states["optimizer"], tmp / FILES["optimizer"])
     if halfway is not None:
         halfway(tmp)
     torch.save(states["rng"], tmp / FILES["rng"])
@@ -293,10 +320,11 @@ def _write_folder(tmp: Path, states: dict, record: dict, texts: dict[str, str],
     (tmp / STATE).write_text(json.dumps(state, indent=1))
     for name, text in texts.items():
         (tmp / name).write_text(text)
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    written = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+    files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in written}
     meta = {"step": record["step"], "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
     (tmp / META).write_text(json.dumps(meta, indent=1))
-    for p in tmp.iterdir():
+    for p in [*written, tmp / META]:
         _fsync(p)
 
 
@@ -308,10 +336,12 @@ class CheckpointManager:
 
     `parts` maps a name to something with `state_dict()` / `load_state_dict()`, or to None on a
     rank that lacks it (a target rank has no drafter); a `best` part (BestCheckpoint) names a
-    checkpoint that keep-k never removes. The leader (drafter rank 0) holds every part and
-    writes the folder; with several ranks it opens a shared temporary folder, every rank
-    writes its own `rank-R` files into it, then the leader adds the rest and renames it. Every
-    rank calls `save` at the same steps (parts may run collectives there) and `resume` once.
+    checkpoint that keep-k never removes; a `sharded` part (sharding.ShardedState, train.fsdp)
+    stands for the drafter and the optimizer, and every drafter rank writes its shards. The
+    leader (drafter rank 0) holds every other part and writes the folder; with several ranks it
+    opens a shared temporary folder, every rank writes its own `rank-R` files (and shards) into
+    it, then the leader adds the rest and renames it. Every rank calls `save` at the same steps
+    (parts may run collectives there) and `resume` once.
     `enabled=False` (benchmarks): nothing is resumed or written, on every rank alike."""
 
     def __init__(self, output_dir: str | Path, section, dist, position: DataPosition,
@@ -339,21 +369,24 @@ class CheckpointManager:
         final = root / f"step-{step}"
         if not self.enabled:
             return final
-        states = {name: part.state_dict() for name, part in self.parts.items() if part is not None}
+        sharded = self.parts.get(SHARDED)
+        states = {name: part.state_dict() for name, part in self.parts.items() if part is not None and name != SHARDED}
         d = self.dist
         tmp = None
         if d.world_size > 1:
             tmp = root / f".tmp-step-{step}-shared"
             if d.is_leader:
-                root.mkdir(parents=True, exist_ok=True)
-                for stale in root.glob(".tmp-step-*"):
-                    shutil.rmtree(stale, ignore_errors=True)
-                tmp.mkdir()
+                self._fresh_tmp(tmp)
             d.barrier(f"waiting for the other ranks to start the checkpoint of step {step}")
             torch.save(states["rng"], tmp / f"rank-{d.rank}.pt")
             (tmp / f"rank-{d.rank}.json").write_text(json.dumps({"rank": d.rank, "role": d.role}))
             for name in (f"rank-{d.rank}.pt", f"rank-{d.rank}.json"):
                 _fsync(tmp / name)
+        elif sharded is not None:  # one process: its sharded files go into the folder first
+            tmp = self._fresh_tmp(root / f".tmp-step-{step}-{os.getpid()}")
+        if sharded is not None:  # every drafter rank writes its shards (a collective of theirs)
+            sharded.save(tmp / SHARDED)
+        if d.world_size > 1:
             d.barrier(f"waiting for every rank's state of the checkpoint of step {step}")
         if d.is_leader:
             self._write(step, states, tmp)
@@ -365,13 +398,9 @@ class CheckpointManager:
         """Write `step-N/` atomically, then drop all but the newest `keep` checkpoints.
         Temporary folders left by a killed save are removed here; resume never looks at them."""
         root = checkpoint_root(self.out)
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"step-{step}"
         if tmp is None:
-            tmp = root / f".tmp-step-{step}-{os.getpid()}"
-            for stale in root.glob(".tmp-step-*"):  # only one process writes checkpoints
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+            tmp = self._fresh_tmp(root / f".tmp-step-{step}-{os.getpid()}")
         record = {"step": step, "topology": self.topology(), "data": self.position.state(step)}
         try:
             _write_folder(tmp, states, record, self.texts(), self.faults.save_hook(step))
@@ -389,6 +418,16 @@ class CheckpointManager:
         for old in list_checkpoints(self.out)[: -self.keep]:
             if old.name != kept:
                 shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _fresh_tmp(tmp: Path) -> Path:
+        """The temporary folder `tmp` made empty, with the others a killed save left removed
+        (only the leader calls this: one process writes the folder's own files)."""
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        for stale in tmp.parent.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
 
     def resume(self) -> int | None:
         """Restore the newest verified checkpoint into this rank's parts; returns its step (None:
@@ -414,7 +453,9 @@ class CheckpointManager:
         self.position.check(found, state["data"], state["topology"], step)
         same = state["topology"] == self.topology()
         for name, part in self.parts.items():
-            if part is not None:
+            if name == SHARDED and part is not None:
+                self._load_sharded(found, part)
+            elif part is not None:
                 part.load_state_dict(self._part_state(found, name, state, same))
         self.saved_step = step
         moved = "" if same else (f"; it was saved by a run of {state['topology']}, continued as "
@@ -422,8 +463,22 @@ class CheckpointManager:
         self.log(f"resumed at step {step} ({self.position.describe(step)}){moved}")
         return step
 
+    @staticmethod
+    def _load_sharded(path: Path, part) -> None:
+        """A sharded drafter and optimizer (sharding.ShardedState) from either kind of checkpoint:
+        its sharded files, or the whole tensors of an unsharded one (read on the CPU)."""
+        if is_sharded(path):
+            part.load(path / SHARDED)
+        else:
+            part.load_whole(load_file(str(path / FILES["drafter"])), _load_tensors(path / FILES["optimizer"], "cpu"))
+
     def _part_state(self, path: Path, name: str, state: dict, same_topology: bool):
         device = self.dist.device
+        if name in ("drafter", "optimizer") and is_sharded(path):  # saved sharded, resumed whole
+            whole = read_sharded(path / SHARDED, name)
+            if name == "drafter":
+                return {k: v.to(device) for k, v in whole.items()}
+            return optimizer_by_index(whole, [n for n, _ in self.parts["drafter"].named_parameters()])
         if name == "drafter":
             return load_file(str(path / FILES["drafter"]), device=str(device))
         if name == "optimizer":

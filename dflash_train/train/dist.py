@@ -10,12 +10,15 @@ ranks: each has a timeout (`topology.timeout_s`), and a peer that died or hung t
 World size 1 (no torchrun) runs the same code: no process group, every collective a no-op.
 
 Groups: `control` (gloo, every rank, CPU tensors: stop agreement, barriers), `drafters` (the
-drafter ranks' gradient and metric all-reduce; NCCL on GPU, gloo on CPU); batches travel by
-point-to-point ops on the default group (NCCL on GPU, gloo on CPU).
+drafter ranks' gradient and metric all-reduce; NCCL on GPU, gloo on CPU), and with
+topology.target_tp > 1 one per target group (its target's tensor-parallel collectives, through
+the group's `tp_mesh`); batches travel by point-to-point ops on the default group (NCCL on GPU,
+gloo on CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_train.core.config import ConfigError, TopologySection
 from dflash_train.core.devices import resolve_device
@@ -73,6 +77,14 @@ class Assignment:
         M = self.micro_per_step
         return [g for g in range(step * M, (step + 1) * M) if self.producer(g) == target]
 
+    def group_turns(self, g: int, size: int) -> list[int]:
+        """Colocated, with target groups of `size` consecutive drafters (topology.target_tp): the
+        micro-batches whose target forwards the group of g's consumer runs together when g is due,
+        in member order: the same slot of each member's share of g's step (g among them)."""
+        drafter = self.consumer(g)
+        first = g - (drafter % size) * self.grad_accum
+        return [first + m * self.grad_accum for m in range(size)]
+
     def max_pair_per_step(self) -> int:
         """Most micro-batches one target sends one drafter in a step (the pattern repeats
         every num_targets steps)."""
@@ -105,6 +117,13 @@ class Dist:
         else:
             self.target_ranks = self.drafter_ranks = list(range(world_size))
             self.role = BOTH
+        # Target groups: target_tp consecutive target ranks (of one node) hold one target replica
+        # tensor parallel. A producer of the Assignment is, disaggregated, a group, whose first
+        # rank sends (its others only join its forwards); colocated, every rank.
+        self.target_tp = tp = topology.target_tp
+        self.target_groups = [self.target_ranks[i:i + tp] for i in range(0, len(self.target_ranks), tp)]
+        self.producers = [group[0] for group in self.target_groups] if self.disaggregated else self.target_ranks
+        self.tp_mesh: DeviceMesh | None = None  # this rank's group's mesh, with target_tp > 1
         self.control = self.drafters = None
 
     # ------------------------------------------------------------------ construction
@@ -130,6 +149,10 @@ class Dist:
             elif n >= local_world:
                 problems.append(f"topology.num_target_ranks={n} leaves no drafter rank on a node of "
                                 f"{local_world} ranks: set it to at most {local_world - 1}")
+        elif local_world % topology.target_tp:
+            problems.append(f"topology.target_tp={topology.target_tp} does not divide the {local_world} rank(s) of a "
+                            f"node (a target group spans target_tp ranks of one node): launch a multiple of "
+                            f"{topology.target_tp} ranks per node (torchrun --nproc_per_node), or lower target_tp")
         if problems:
             raise ConfigError(problems)
         self = cls(topology, rank, world, local_rank, local_world, device)
@@ -144,6 +167,10 @@ class Dist:
         # Every rank creates every group, in the same order (torch.distributed's rule).
         self.control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.drafters = dist.new_group(self.drafter_ranks, timeout=self.timeout)
+        for group in self.target_groups if self.target_tp > 1 else []:
+            made = dist.new_group(group, timeout=self.timeout)
+            if self.rank in group:
+                self.tp_mesh = DeviceMesh.from_group(made, self.device.type, mesh_dim_names=("tp",))
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
@@ -161,7 +188,14 @@ class Dist:
 
     @property
     def target_index(self) -> int:
-        return self.target_ranks.index(self.rank)
+        """Disaggregated: the producer this target rank belongs to (its target group)."""
+        return self.target_ranks.index(self.rank) // self.target_tp
+
+    @property
+    def is_producer(self) -> bool:
+        """Makes shipments (disaggregated: packs and sends them); the other ranks of a target
+        group only join its forwards."""
+        return self.rank in self.producers
 
     @property
     def drafter_index(self) -> int:
@@ -179,11 +213,19 @@ class Dist:
         if not self.disaggregated:
             return f"rank {rank}"
         if rank in self.target_ranks:
-            return f"rank {rank} (target {self.target_ranks.index(rank)})"
+            return f"rank {rank} (target {self.target_ranks.index(rank) // self.target_tp})"
         return f"rank {rank} (drafter {self.drafter_ranks.index(rank)})"
 
     def assignment(self, grad_accum: int) -> Assignment:
-        return Assignment(len(self.target_ranks), len(self.drafter_ranks), grad_accum, not self.disaggregated)
+        return Assignment(len(self.producers), len(self.drafter_ranks), grad_accum, not self.disaggregated)
+
+    def target_turns(self, assign: Assignment):
+        """The producer's turns (produce.Producer): colocated with target_tp > 1, micro-batch g ->
+        the micro-batches whose forwards this rank's group runs together when g is due
+        (Assignment.group_turns); else None (each micro-batch alone)."""
+        if self.disaggregated or self.target_tp == 1:
+            return None
+        return functools.partial(assign.group_turns, size=self.target_tp)
 
     def lag(self, assignment: Assignment) -> int:
         """Steps a target rank may run ahead of the drafters. Its sends to one drafter for the
@@ -193,7 +235,9 @@ class Dist:
         return self.topology.queue_depth // assignment.max_pair_per_step()
 
     def identity(self) -> dict:
-        """What a checkpoint records of the topology; resume refuses another."""
+        """What a checkpoint records of the topology; resume refuses another. topology.target_tp
+        is not in it: the frozen target is not saved, and its groups change neither the batches,
+        nor the numbers, nor which rank holds which drafter state and random stream."""
         return {"mode": self.topology.mode, "world_size": self.world_size,
                 "num_targets": len(self.target_ranks), "num_drafters": len(self.drafter_ranks)}
 

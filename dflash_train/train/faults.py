@@ -63,6 +63,8 @@ class Faults:
         return halfway
 
     def after_save(self, step: int, path: Path) -> None:
-        if step in self.corrupt_at:
+        if step in self.corrupt_at:  # the drafter's weights, or a sharded checkpoint's first shard file
             weights = path / "drafter.safetensors"
+            if not weights.is_file():
+                weights = min((path / "sharded").glob("*.distcp"))
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])

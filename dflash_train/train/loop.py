@@ -39,12 +39,20 @@ from dflash_train.core.errors import UserError, folder_problem, problems_of
 from dflash_train.core.export import drafter_config, export_drafter, load_drafter
 from dflash_train.core.loss import LossSettings
 from dflash_train.core.locks import command_line
-from dflash_train.core.target import Target, TargetHeads, load_target, load_tokenizer, resolve_target_path
+from dflash_train.core.target import (
+    Target,
+    TargetHeads,
+    load_target,
+    load_tokenizer,
+    resolve_target_path,
+    tensor_parallel_problems,
+)
 from dflash_train.data import chat_files, preparation
 from dflash_train.data.batching import BatchPlan, BatchStream, conversation_keys, validation_split
 from dflash_train.data.preparation import LOOP_REPEATS, without_loop_tails
 from dflash_train.train.checkpoint import (
     DRAFTER_CONFIG,
+    SHARDED,
     BestCheckpoint,
     CheckpointManager,
     DataPosition,
@@ -70,6 +78,7 @@ from dflash_train.train.metrics import (
 )
 from dflash_train.train.plot import report_run
 from dflash_train.train.produce import FeatureNoise, Packing, Producer
+from dflash_train.train.sharding import ShardedState, Sharding
 from dflash_train.train.step import DrafterStep, StepSetup
 from dflash_train.train.transport import Receiver, Sender
 
@@ -228,10 +237,11 @@ def distill_problem(target_config) -> str | None:
 
 
 class Evaluation(Protocol):
-    """What an evaluation step measures, on the leader: (walked fields, served fields) of the
-    drafter as it is now. eval.during_training.DuringTraining is the project's."""
+    """What an evaluation step measures, on the leader: (walked fields, served fields) of
+    `drafter`, the run's drafter as it is now, whole (DrafterStep.whole_drafter).
+    eval.during_training.DuringTraining is the project's."""
 
-    def __call__(self, run: "Run") -> tuple[dict, dict]: ...
+    def __call__(self, run: "Run", drafter: DFlashDrafter) -> tuple[dict, dict]: ...
 
 
 @dataclass
@@ -310,17 +320,22 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
     if dist.is_target:
         labels = cfg.objective.labels
         target = (build_target(drafter.target_layer_ids, labels) if build_target is not None
-                  else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids, labels)[0])
+                  else load_target(cfg.target.path, device, cfg.target.dtype, drafter.target_layer_ids, labels,
+                                   dist.tp_mesh)[0])
         packing = Packing(device, cfg.data.token_budget, cfg.topology.split_fc, M, cfg.objective.num_anchors)
-        producer = Producer(target, stream, packing, noise=noise, faults=faults, timer=timer, log=log_any)
+        producer = Producer(target, stream, packing, noise=noise, faults=faults, timer=timer, log=log_any,
+                            turns=dist.target_turns(assign))
     if dist.is_drafter:
         loss = LossSettings.of(cfg.objective, compilation.loss_chunks, compilation.loss_kernel)
-        setup = StepSetup(dist, attention, loss,
-                          noise, M, total_steps, faults, Accumulator(drafter.block_size, device), timer)
+        sharding = Sharding(dist) if cfg.train.fsdp else None
+        setup = StepSetup(dist, attention, loss, noise, M, total_steps, faults,
+                          Accumulator(drafter.block_size, device), timer, sharding)
         heads = _heads(cfg, device, target, build_target, build_heads)
-        step = DrafterStep(cfg, trainable_drafter(cfg, drafter, device, lead_log), heads, setup)
+        step = DrafterStep(cfg, trainable_drafter(cfg, drafter, device, lead_log, sharding), heads, setup)
     compilation.apply(drafter=step.drafter if step is not None else None, target=target)
-    if producer is not None and device.type == "cuda" and cfg.target.cuda_graphs and isinstance(target, Target):
+    # A tensor-parallel target's forward holds its group's collectives: it runs eagerly.
+    if producer is not None and device.type == "cuda" and cfg.target.cuda_graphs and isinstance(target, Target) \
+            and not target.sharded:
         producer.target = GraphedTarget(target, device, log_any)  # captured in warm_up
     control = Control(cfg.train, dist, M)
     best = BestCheckpoint() if cfg.checkpoint.keep_best and step is not None else None
@@ -328,7 +343,7 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
                                       checkpointing, lead_log, best)
     disaggregated = dist.disaggregated
     return Run(cfg, dist, Path(cfg.output_dir), assign, stream.plan, stream, total_steps, producer, step,
-               Sender(dist, cfg.topology.queue_depth) if disaggregated and dist.is_target else None,
+               Sender(dist, cfg.topology.queue_depth) if disaggregated and dist.is_producer else None,
                Receiver(dist) if disaggregated and dist.is_drafter else None,
                control, checkpoints, faults, timer, lead_log,
                validation=validation, best=best, evaluation=evaluation)
@@ -337,16 +352,19 @@ def build(cfg: Config, log=print, *, target_config=None, build_target=None, buil
 def target_files(cfg: Config, target_config=None):
     """(the target's folder, its transformers config, its tokenizer) read from target.path; with
     an injected `target_config` (benchmarks), no folder and no tokenizer. Distillation's
-    requirement on the target's logits is checked here, before anything heavy."""
+    requirement on the target's logits, and topology.target_tp's on its model type and sizes,
+    are checked here, before anything heavy."""
     target_dir = tokenizer = None
     if target_config is None:
         target_dir = resolve_target_path(cfg.target.path)
         target_config = AutoConfig.from_pretrained(target_dir)
         tokenizer = load_tokenizer(target_dir)
-    if cfg.objective.labels == "distill":
-        problem = distill_problem(target_config)
-        if problem:
-            raise ConfigError([f"objective.labels=distill: {problem}"])
+    problems = tensor_parallel_problems(target_config, cfg.topology.target_tp)
+    problem = distill_problem(target_config) if cfg.objective.labels == "distill" else None
+    if problem:
+        problems.append(f"objective.labels=distill: {problem}")
+    if problems:
+        raise ConfigError(problems)
     return target_dir, target_config, tokenizer
 
 
@@ -363,13 +381,18 @@ def build_stream(cfg: Config, dist: Dist, dataset, target_dir, tokenizer, log) -
     return stream, validation
 
 
-def trainable_drafter(cfg: Config, drafter: DFlashDrafter, device, log) -> DFlashDrafter:
+def trainable_drafter(cfg: Config, drafter: DFlashDrafter, device, log,
+                      sharding: Sharding | None = None) -> DFlashDrafter:
     """The drafter on the device in float32, training; with train.fp8, its linear layers'
-    products in float8."""
+    products in float8; with train.fsdp (`sharding`), sharded over the drafter ranks."""
     drafter = drafter.to(device, torch.float32).train()
     if cfg.train.fp8 is not None:
         converted = fp8_linear_layers(drafter, cfg.train.fp8)
         log(f"train.fp8={cfg.train.fp8}: float8 matrix products in {len(converted)} linear layers of the drafter")
+    if sharding is not None:
+        sharding.shard(drafter)
+        log(f"train.fsdp: the drafter, its gradients and its optimizer state sharded over {sharding.mesh.size()} "
+            f"drafter rank(s) (FSDP2: each of its {len(drafter.layers)} layers, then the rest)")
     return drafter
 
 
@@ -398,6 +421,9 @@ def _checkpoint_manager(cfg: Config, dist: Dist, position: DataPosition, step: D
     if step is not None:
         parts.update(drafter=step.drafter, optimizer=step.optimizer, scheduler=step.scheduler,
                      metrics=GlobalSums(step.acc, dist))
+    if step is not None and step.sharding is not None:  # train.fsdp: the two in sharded files
+        parts.update(drafter=None, optimizer=None)
+        parts[SHARDED] = ShardedState(step.sharding, step.drafter, step.optimizer)
 
     def texts() -> dict[str, str]:  # called on the leader, a drafter rank
         return {"config.yaml": (out / "config.yaml").read_text(),
@@ -526,9 +552,10 @@ def export_result(run: Run, stop: Stop | None) -> Path | None:
     the run; a signal leaves the checkpoints to resume from."""
     if stop is Stop.SIGNAL:
         return run.out / "checkpoints"
+    drafter = run.step.whole_drafter()  # train.fsdp: gathered on the leader, every drafter rank taking part
     if not run.dist.is_leader:
         return None
-    drafter, best = run.step.drafter, run.best.step if run.best is not None else None
+    best = run.best.step if run.best is not None else None
     if best is not None and best != run.steps_done:
         drafter = drafter_from_checkpoint(checkpoint_root(run.out) / f"step-{best}")
     exported = export_drafter(drafter, run.out / "drafter", getattr(torch, run.cfg.checkpoint.export_dtype))
@@ -555,7 +582,7 @@ def micro_batches(run: Run):
             yield run.producer(index)
         else:
             run.timer.mark("receive")
-            yield run.receiver.recv(run.dist.target_ranks[run.assign.producer(index)], index)
+            yield run.receiver.recv(run.dist.producers[run.assign.producer(index)], index)
 
 
 def drain(run: Run) -> None:
@@ -566,7 +593,7 @@ def drain(run: Run) -> None:
     last = min(run.steps_done + run.dist.lag(run.assign), run.total_steps)
     for step in range(run.steps_done, last):
         for index in run.assign.consumed(step, run.dist.drafter_index):
-            run.receiver.recv(run.dist.target_ranks[run.assign.producer(index)], index)
+            run.receiver.recv(run.dist.producers[run.assign.producer(index)], index)
 
 
 def log_record(run: Run, evaluate: bool) -> dict:
@@ -585,8 +612,9 @@ def log_record(run: Run, evaluate: bool) -> dict:
     if run.receiver is not None:
         record["wait_s"] = transport_waits(run)
     record["peak_memory_gib"] = peak_memory_gib(d.device)
-    if evaluate and d.is_leader and run.evaluation is not None:
-        walked, served = run.evaluation(run)
+    drafter = step.whole_drafter() if evaluate and run.evaluation is not None else None  # fsdp: every rank
+    if drafter is not None and d.is_leader:
+        walked, served = run.evaluation(run, drafter)
         record = {"step": record.pop("step"), "epoch": record.pop("epoch"), **walked, **record, **served}
         acc.reset()  # just flushed: only its clock moves
     return record
@@ -598,7 +626,7 @@ def transport_waits(run: Run) -> dict:
     index. A target's figure arrives in its headers, so it is as of the last batch it sent to any
     drafter."""
     d = run.dist
-    D, T = len(d.drafter_ranks), len(d.target_ranks)
+    D, T = len(d.drafter_ranks), len(d.producers)
     cumulative = torch.zeros(D + T, dtype=torch.float64, device=d.device)
     cumulative[d.drafter_index] = run.receiver.wait_s
     for target, us in run.receiver.sender_wait_us.items():
@@ -631,6 +659,9 @@ def train_target(run: Run, on_step=None) -> None:
             if stop is not None:
                 break
             for index in run.assign.produced(step - 1, me):
+                if run.sender is None:  # a target group's other ranks only join its forwards
+                    run.producer.join(index)
+                    continue
                 shipment = run.producer(index)
                 run.timer.mark("send")
                 run.sender.send(run.dist.drafter_ranks[run.assign.consumer(index)], shipment)
@@ -641,7 +672,8 @@ def train_target(run: Run, on_step=None) -> None:
         while stop is None and joined < run.total_steps:
             joined += 1
             stop = target_agree(run, joined)
-        run.sender.flush()
+        if run.sender is not None:
+            run.sender.flush()
     run.steps_done = joined
     if stop is not None and stop.is_fault:
         raise TrainingStopped(f"stopped with the drafter ranks at step {joined} (their message says why)")
@@ -699,7 +731,11 @@ def train(cfg: Config, log=print, evaluation: Evaluation | None = None) -> Path 
     check_inputs(cfg)
     with run_folder(cfg.output_dir, log):
         run = build(cfg, log, evaluation=evaluation)
-        result = train_drafter(run) if run.step is not None else train_target(run)
+        try:
+            result = train_drafter(run) if run.step is not None else train_target(run)
+        finally:
+            if run.step is not None and run.step.sharding is not None:
+                run.step.sharding.close()  # the process group of a sharded drafter on one process
         run.dist.close()
     return result
 

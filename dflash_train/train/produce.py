@@ -23,6 +23,7 @@ tap width, H one tap's width (and the target's hidden size).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -263,10 +264,17 @@ class Producer:
     raises (out of memory on an unusual shape, ...) yields a failed shipment: logged with the
     batch's shape, counted by the drafter step that consumes it. The data position moves past
     it, so a resumed run skips it too. With `num_anchors` (objective.num_anchors) each shipment
-    carries its anchor count, counted on the host from the batch (masks.anchor_count)."""
+    carries its anchor count, counted on the host from the batch (masks.anchor_count).
 
-    def __init__(self, target, stream, packing: Packing, *, noise: FeatureNoise, faults, timer, log) -> None:
+    A tensor-parallel target (topology.target_tp) runs only with every rank of its group: `turns`
+    (colocated: dist.Dist.target_turns) maps micro-batch g to the micro-batches whose forwards
+    the group runs together when g is due, in the same order on every member; this rank keeps g's
+    and only joins the others' (`join`). Every rank reads any batch from the stream alone."""
+
+    def __init__(self, target, stream, packing: Packing, *, noise: FeatureNoise, faults, timer, log,
+                 turns: Callable[[int], list[int]] | None = None) -> None:
         self.target, self.stream, self.device = target, stream, packing.device
+        self.turns = turns
         self.noise, self.split_fc, self.pad_to = noise, packing.split_fc, packing.pad_to
         self.num_anchors = packing.num_anchors
         self.micro_per_step = packing.micro_per_step
@@ -275,7 +283,19 @@ class Producer:
 
     def __call__(self, index: int) -> Shipment:
         self.timer.mark("data")
-        return self.produce(index, self.stream[index])
+        shipment = None
+        for g in self.turns(index) if self.turns is not None else [index]:
+            if g == index:
+                shipment = self.produce(index, self.stream[index])
+            else:
+                self.join(g)
+        return shipment
+
+    def join(self, index: int) -> None:
+        """Take part in the target forward of micro-batch `index`, which another rank of this
+        rank's target group makes: this rank's shards compute their share, the output is dropped."""
+        self.timer.mark("target")
+        self.capture(index, self.stream[index])
 
     def produce(self, index: int, batch) -> Shipment:
         self.timer.mark("target")

@@ -9,6 +9,11 @@ process over the same D x A micro-batches. A non-finite loss or gradient norm sk
 and leaves weights and optimizer state untouched; a micro-batch on which the target forward
 failed (a failed shipment) is skipped and counted.
 
+With a sharded drafter (train.fsdp, sharding.Sharding) the gradients are FSDP's: kept unsharded
+over a rank's micro-batches and reduce-scattered (summed) in the backward of its last; a failed
+micro-batch runs the zero micro-batch instead, so that every rank runs the same collectives; the
+loss and weight sums are still all-reduced here, and the gradient norm is the global one.
+
 Shape legend: T packed tokens, N blocks, B block size, H hidden size.
 """
 
@@ -19,12 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.core.devices import whole
 from dflash_train.core.loss import BlockLossOutput, LossSettings, block_loss
 from dflash_train.core.masks import ANCHOR_STREAM, build_attention_masks, build_layout, sample_anchors, step_generator
 from dflash_train.train.dist import Dist
 from dflash_train.train.faults import Faults
 from dflash_train.train.metrics import Accumulator, StageTimer
 from dflash_train.train.produce import FeatureNoise, Shipment, context_features
+from dflash_train.train.sharding import Sharding
 
 
 @dataclass
@@ -81,6 +88,8 @@ class StepSetup:
     """Receives the step's sums."""
     timer: StageTimer
     """Receives the stage times."""
+    sharding: Sharding | None = None
+    """train.fsdp: the drafter is sharded (already, by this); None: a whole replica."""
 
 
 class DrafterStep:
@@ -96,6 +105,7 @@ class DrafterStep:
         self.loss_settings = setup.loss
         self.noise, self.micro_per_step = setup.noise, setup.micro_per_step
         self.faults, self.acc, self.timer = setup.faults, setup.acc, setup.timer
+        self.sharding = setup.sharding
         device, total_steps, o = self.device, setup.total_steps, cfg.optim
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=device.type == "cuda")
@@ -128,8 +138,12 @@ class DrafterStep:
         loss_sum, weight_sum, used, last, step = 0.0, 0.0, 0, -1, 0
         for shipment in shipments:
             step = shipment.index // self.micro_per_step + 1
+            if self.sharding is not None:  # reduce-scatter in the backward of the rank's last micro-batch
+                self.sharding.micro_batch(self.drafter, (shipment.index + 1) % self.cfg.train.grad_accum == 0)
             out = self.forward(shipment)
             if out is None:  # the target failed on it: skipped (Accumulator counts it)
+                if self.sharding is not None:
+                    self.sharding.zero_micro_batch(self.drafter, self.autocast)
                 continue
             self.timer.mark("backward")
             out.loss_sum.backward()
@@ -146,7 +160,7 @@ class DrafterStep:
             params = [p for p in self.drafter.parameters() if p.grad is not None]
             # Exact mean over all micro-batches: gradients of the summed loss, divided once.
             torch._foreach_div_([p.grad for p in params], torch.clamp(weight_sum, min=1e-12))
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+            grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))  # global
             ok = torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
             if used_by_all is not None:  # the global count is read with the skip decision, in one host sync
                 trained = used_by_all > 0
@@ -214,13 +228,24 @@ class DrafterStep:
         by the global weight gives the single-process gradient of the same micro-batches. Done
         once per step after accumulation rather than by DDP's backward hooks: DDP averages by
         the number of ranks (the exact mean needs the weight sum instead) and needs every rank to
-        run the same backwards, which a skipped micro-batch breaks."""
-        params = list(self.drafter.parameters())
-        for p in params:
-            if p.grad is None:  # every micro-batch of this rank failed: it adds zeros
-                p.grad = torch.zeros_like(p)
+        run the same backwards, which a skipped micro-batch breaks. A sharded drafter's
+        gradients are summed already (FSDP's reduce-scatter): the sums and counts alone here."""
+        grads = []
+        if self.sharding is None:
+            params = list(self.drafter.parameters())
+            for p in params:
+                if p.grad is None:  # every micro-batch of this rank failed: it adds zeros
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
         totals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
                               for v in (loss_sum, weight_sum, float(used))])
-        self.dist.all_reduce_drafters([p.grad for p in params] + [totals],
-                                      f"waiting for the gradient all-reduce of step {step}")
+        self.dist.all_reduce_drafters(grads + [totals], f"waiting for the gradient all-reduce of step {step}")
         return totals[0], totals[1], totals[2]
+
+    def whole_drafter(self):
+        """The drafter with all its weights, for evaluation and export: the drafter itself, or
+        when sharded a plain copy gathered on the leader (None on the other drafter ranks; a
+        collective every drafter rank calls)."""
+        if self.sharding is None:
+            return self.drafter
+        return self.sharding.whole_drafter(self.drafter, self.dist.is_leader)

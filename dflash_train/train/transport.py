@@ -99,7 +99,7 @@ class Receiver:
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dist.device)
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.wait_s = 0.0  # time blocked waiting for batches, cumulative
-        self.sender_wait_us: dict[int, int] = {}  # target index -> its latest cumulative send wait
+        self.sender_wait_us: dict[int, int] = {}  # producer index -> its latest cumulative send wait
 
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = self.buffers.get(key)
@@ -115,7 +115,7 @@ class Receiver:
         self.wait_s += time.perf_counter() - started
         if h[0] != index:  # our own invariant: both ends follow the same assignment
             raise AssertionError(f"{self.dist.name()}: expected micro-batch {index} from rank {src}, got {h[0]}")
-        self.sender_wait_us[self.dist.target_ranks.index(src)] = h[13]
+        self.sender_wait_us[self.dist.producers.index(src)] = h[13]
         stats = dict(num_tokens=h[7], padded_tokens=h[8], rows=h[9], sum_seq_len=h[10], max_seq_len=h[11],
                      epoch=h[12], sender_wait_us=h[13])
         if h[1] & FAILED:
