@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(subparsers)
     add_eval_command(subparsers)
     add_bench_command(subparsers)
+    add_plan_command(subparsers)
     add_plot_command(subparsers)
     return parser
 
@@ -292,6 +293,39 @@ def add_bench_command(subparsers) -> None:
                    "through FlashAttention on a CUDA GPU in half precision, else the masked width bucket)")
     b.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.compile=true")
     b.set_defaults(func=commands.run_bench_command)
+
+
+def add_plan_command(subparsers) -> None:
+
+    p = subparsers.add_parser(
+        "plan", help="per-GPU memory of training layouts on N GPUs, from the target's config.json (nothing loads)",
+        description="Count, per GPU, what training needs: the target's shard and its forward, the drafter's "
+        "weights, gradients and AdamW state, the drafter step's activations for the largest micro-batch, against "
+        "the GPU's memory. With no layout option, every layout of --gpus GPUs is planned (colocated and "
+        "disaggregated, each target TP, the drafter replicated or with FSDP), those that fit first; with one, that "
+        "layout alone, refused (exit 2) when it does not fit. Settings: the config file's defaults (the paper "
+        "recipe), then --config, then section.key=value overrides, as `train` reads them. docs/TRAINING.md, "
+        "'Planning memory for several GPUs'.",
+    )
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes (default %(default)s)")
+    p.add_argument("--target", default=None, metavar="DIR", help=f"{TARGET_HELP} (default: target.path)")
+    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                   help="plan a bench workload instead: its target shape, its settings and its own batches")
+    p.add_argument("--config", metavar="FILE", help="YAML config, as for `train`")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="X",
+                   help="memory of one GPU in GiB (default %(default)g)")
+    p.add_argument("--target-tp", type=int, default=None, metavar="N",
+                   help="plan this layout: the target split over N GPUs (tensor parallel)")
+    p.add_argument("--target-ranks", type=int, default=None, metavar="K",
+                   help="plan this layout: disaggregated, K target ranks per node")
+    p.add_argument("--fsdp", action="store_true", help="plan this layout: the drafter sharded with FSDP")
+    p.add_argument("--supervised-share", type=float, default=1.0, metavar="S",
+                   help="share of a sample's tokens that carry loss, for the worst-case micro-batch (default 1: "
+                   "any data; chat data with long prompts has less)")
+    p.add_argument("--all", action="store_true", help="list every layout (default: those that fit and a few more)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. data.token_budget=8192")
+    p.set_defaults(func=commands.run_plan)
 
 
 def add_plot_command(subparsers) -> None:

@@ -21,7 +21,22 @@ from dflash_train.bench.decoding import (
     run_decode_bench,
 )
 from dflash_train.bench.distributed import world_size
+from dflash_train.bench.memory import (
+    Layout,
+    MemoryPlan,
+    Planner,
+    bench_micro_batch,
+    format_table,
+    gib,
+    layout_flags,
+    plan_layouts,
+    plan_summary,
+    refusal,
+    target_config_of,
+    worst_case_micro_batch,
+)
 from dflash_train.bench.training import format_report, run_bench
+from dflash_train.bench.workloads import WORKLOADS, target_config, workload_config
 from dflash_train.core.config import ConfigError, load_config
 from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, output_file_problem, problems_of
@@ -309,3 +324,77 @@ def run_bench_command(args) -> int:
         return run_decode_bench_cli(args)
 
     return run_bench_cli(args)
+
+
+SHOWN_MISSES = 3  # layouts that do not fit listed after those that do (all of them with --all)
+
+
+def run_plan(args) -> int:
+    """`dflash-train plan`: the layouts of --gpus GPUs planned, those that fit first, or the one
+    layout the options (or the settings) name, refused when it does not fit. Nothing loads."""
+    cfg, config = plan_settings(args)
+    micro_batch = (bench_micro_batch(args.workload, cfg) if args.workload
+                   else worst_case_micro_batch(cfg, args.supervised_share))
+    planner = Planner.of(config, cfg, micro_batch, args.gpu_memory_gib)
+    layout = named_layout(args, cfg)
+    if layout is not None:
+        plans = [planner.plan(layout)]
+        if not plans[0].fits:
+            raise InputError(refusal(planner, plans[0]))
+    else:
+        plans = plan_layouts(planner, args.gpus, args.nodes)
+    fitting = [p for p in plans if p.fits]
+    shown = plans if args.all else fitting + [p for p in plans if not p.fits][: SHOWN_MISSES + 2 * (not fitting)]
+    for line in [*plan_summary(planner), "", *format_table(shown)]:
+        print(line)
+    if not fitting:  # the lowest peak says how far off, and what would fit
+        raise InputError(refusal(planner, plans[0], named=False) if plans
+                         else f"--gpus {args.gpus}: no layout of these GPUs can run this target (its tensor-parallel "
+                         f"splits: core/target.py tensor_parallel_problems)")
+    print(best_line(fitting[0]))
+    return 0
+
+
+def plan_settings(args):
+    """(the settings, the target's transformers config) of `dflash-train plan`: a bench workload's,
+    or the config file's defaults <- --config <- overrides with --target or target.path."""
+    problems = []
+    for flag, value, low in (("--gpus", args.gpus, 1), ("--nodes", args.nodes, 1), ("--target-tp", args.target_tp, 1),
+                             ("--target-ranks", args.target_ranks, 1)):
+        if value is not None and value < low:
+            problems.append(f"{flag} must be >= {low}, got {value}")
+    if not args.gpu_memory_gib > 0:
+        problems.append(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib:g}")
+    if not 0 < args.supervised_share <= 1:
+        problems.append(f"--supervised-share must be in (0, 1], got {args.supervised_share:g}")
+    if args.workload and (args.target or args.config):
+        problems.append("--workload brings its own target shape and settings: drop --target and --config")
+    if problems:
+        raise InputError("; ".join(problems))
+    if args.workload:
+        return workload_config(args.workload, list(args.overrides)), target_config(WORKLOADS[args.workload])
+    cfg = load_config(args.config, list(args.overrides), base={})
+    setting = "--target" if args.target else "target.path"
+    return cfg, target_config_of(args.target or cfg.target.path, setting)
+
+
+def named_layout(args, cfg) -> Layout | None:
+    """The layout the options name (--target-tp, --target-ranks, --fsdp) or the settings do
+    (topology.mode=disaggregated, topology.target_tp, train.fsdp, where this version has them);
+    None: plan every layout."""
+    tp = args.target_tp or int(getattr(cfg.topology, "target_tp", 1) or 1)
+    fsdp = args.fsdp or bool(getattr(cfg.train, "fsdp", False))
+    ranks = args.target_ranks or (cfg.topology.num_target_ranks if cfg.topology.mode == "disaggregated" else None)
+    if args.target_tp is None and ranks is None and tp == 1 and not fsdp:
+        return None
+    return Layout(args.gpus, "disaggregated" if ranks else "colocated", ranks, tp, fsdp, args.nodes)
+
+
+def best_line(plan: MemoryPlan) -> str:
+    """The last line of a plan that fits: the best layout, its options and its settings."""
+    lay = plan.layout
+    settings = [f"topology.mode={lay.mode}"] + ([f"topology.num_target_ranks={lay.target_ranks}"]
+                                                if lay.mode == "disaggregated" else [])
+    settings += [f"topology.target_tp={lay.target_tp}", f"train.fsdp={str(lay.fsdp).lower()}"]
+    return (f"best: {lay.name()}, peak {gib(plan.peak)} of {gib(plan.usable)} GiB usable per GPU "
+            f"({layout_flags(lay)}; in a run: {' '.join(settings)})")
