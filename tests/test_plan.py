@@ -133,6 +133,8 @@ MEASURED = [
     # docs/results/2026-11-29-two-gpus-w2.md, two H200 (the code of that day: its 1-GPU w2 peaked at 55.3)
     ("w2", Layout(2), 55.3),
     ("w2", Layout(2, "disaggregated", 1), 43.1),
+    # docs/results/2026-12-06-fsdp-one-rank-w2-h100.md, one H100: train.fsdp=true on one rank
+    ("w2", Layout(1, fsdp=True), 57.47),
 ]
 
 
