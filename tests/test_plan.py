@@ -201,6 +201,16 @@ def test_tensor_parallelism_and_fsdp_split_what_they_split(tmp_path):
     assert not bad.fits and "not a multiple of 3" in bad.problems[0]
 
 
+def test_fsdp_over_several_ranks_holds_only_shards_between_micro_batches(tmp_path):
+    """train/sharding.py reduces and reshards after every micro-batch over several ranks; on one
+    rank it keeps the step's gradients and weights whole until its last micro-batch."""
+    config = target_config_of(str(target_folder(tmp_path, "llama-3.3-70b")))
+    cfg = load_config(None, [*SMALL_BATCHES, "train.grad_accum=4"], base={})
+    P = plan_memory(config, cfg, Layout(1)).ranks[0].drafter_grads / 4  # float32 gradients: 4 bytes each
+    one, eight = (plan_memory(config, cfg, Layout(gpus, fsdp=True)).ranks[0] for gpus in (1, 8))
+    assert one.accumulated == pytest.approx(8 * P) and eight.accumulated == 0
+
+
 def test_a_mixture_of_experts_target_counts_every_expert(tmp_path):
     config = target_config_of(str(target_folder(tmp_path, "qwen3-30b-a3b")))
     plan = plan_memory(config, load_config(None, SMALL_BATCHES, base={}), Layout(1))

@@ -609,7 +609,8 @@ class Planner:
         once: the one computed and the one prefetched, float32 weights and their unreduced
         gradients), the optimizer stage (without FSDP over several ranks, the flat float32 copy
         of the gradients the all-reduce sends: train/dist.py), and what a step of several
-        micro-batches holds through them (with FSDP, unsharded gradients and weights:
+        micro-batches holds through them (with FSDP on one rank, unsharded gradients and
+        weights; over several it reduces and reshards after every micro-batch:
         train/sharding.py)."""
         P, fsdp = self.drafter.parameters(), layout.fsdp
         shards = layout.drafter_ranks if fsdp else 1
@@ -617,7 +618,7 @@ class Planner:
         if fsdp:
             step += 2 * max(self.drafter.fc_params, self.drafter.shape.layer_params(0)) * (FP32 + GRADIENT_BYTES)
         accumulated = 0.0
-        if self.cfg.train.grad_accum > 1:
+        if self.cfg.train.grad_accum > 1 and not (fsdp and shards > 1):
             accumulated = (GRADIENT_BYTES + FP32) * P if fsdp else GRADIENT_BYTES * P
         flat = GRADIENT_BYTES * P if layout.drafter_ranks > 1 and not fsdp else 0.0
         return dict(drafter_states=DRAFTER_STATE_BYTES * P / shards, drafter_grads=GRADIENT_BYTES * P / shards,

@@ -66,13 +66,15 @@ class Sharding:
                 module.set_force_sum_reduction_for_comms(True)  # a plain sum on every backend (gloo too)
         return drafter
 
-    @staticmethod
-    def micro_batch(drafter, last: bool) -> None:
-        """Before a micro-batch's forward: gradients are reduce-scattered, and the weights
-        resharded, after the backward of a rank's last micro-batch of the step only; before it
-        they accumulate unsharded on each rank."""
-        drafter.set_requires_gradient_sync(last)
-        drafter.set_reshard_after_backward(last)
+    def micro_batch(self, drafter, last: bool) -> None:
+        """Before a micro-batch's forward. Over several ranks the gradients are reduce-scattered
+        and the weights resharded after every micro-batch's backward, so that a rank never holds
+        more than its shard of them between micro-batches (FSDP is for a drafter too large to
+        hold whole; grad_accum - 1 more reductions a step are its price). On one rank, where a
+        shard is the whole, after the step's last micro-batch only."""
+        reduce = last or self.mesh.size() > 1
+        drafter.set_requires_gradient_sync(reduce)
+        drafter.set_reshard_after_backward(reduce)
 
     def zero_micro_batch(self, drafter, autocast) -> None:
         """In place of a failed micro-batch: the drafter's forward on a small all-zero input and
