@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_train.bench.workloads import WORKLOADS, synthetic_dataset
-from dflash_train.core.config import BUNDLED_TARGET, Config, ConfigError, runs_whole_target
+from dflash_train.core.config import Config, ConfigError, runs_whole_target
 from dflash_train.core.drafter import default_target_layer_ids
-from dflash_train.core.errors import InputError, MissingPath
+from dflash_train.core.errors import InputError
 from dflash_train.core.masks import anchor_count, padded_anchor_count
 from dflash_train.core.target import resolve_target_path, tensor_parallel_problems
 from dflash_train.data.batching import PAD_MULTIPLE, BatchStream
@@ -62,22 +61,14 @@ TIGHT = 0.9  # a plan above this share of the usable memory is "tight"
 
 def target_config_of(path: str, setting: str = "target.path"):
     """The transformers config of a target: a folder's config.json alone (no tokenizer or weights
-    needed), or a bundled target's (core/target.py resolve_target_path, converted on first use)."""
-    if path.startswith("bundled:"):
-        folder = resolve_target_path(path, setting, weights=False)
-    else:
-        folder = Path(path).expanduser()
-        if not (folder / "config.json").is_file():
-            what = "no such folder" if not folder.is_dir() else "not a Hugging Face model folder (no config.json)"
-            raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")
+    needed, checked as every command checks a target: core/target.py resolve_target_path), or a
+    bundled target's (converted on first use)."""
+    folder = resolve_target_path(path, setting, weights=False, tokenizer=False)
     try:
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, KeyError) as err:  # transformers' words for a config it cannot read
         raise InputError(f"{setting} {path}: its config.json does not load ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}): copy it from the model again") from err
-    if getattr(config, "dflash_config", None) is not None:
-        raise InputError(f"{setting} {path}: is a DFlash drafter folder, not a target model: give the model the "
-                         f"drafter drafts for")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if not isinstance(getattr(text, f, None), int)]

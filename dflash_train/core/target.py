@@ -59,10 +59,12 @@ class TargetFolderError(InputError):
         super().__init__(problems[0] if len(problems) == 1 else "\n".join(problems))
 
 
-def resolve_target_path(path: str, setting: str = "target.path", weights: bool = True) -> Path:
+def resolve_target_path(path: str, setting: str = "target.path", weights: bool = True,
+                        tokenizer: bool = True) -> Path:
     """A local HF folder, or the bundled SmolLM2-135M-Instruct (converted on first use);
     `setting` names the option in errors. A local folder is checked before anything loads it
-    (`target_folder_problems`; `weights=False`: a tokenizer is all the caller reads)."""
+    (`target_folder_problems`; `weights=False`: a tokenizer is all the caller reads; with
+    `tokenizer=False` too, its config alone)."""
     if path == BUNDLED_TARGET:
         return smollm2_dir()
     if path == TINY_TARGET:
@@ -73,7 +75,7 @@ def resolve_target_path(path: str, setting: str = "target.path", weights: bool =
     if not (p / "config.json").is_file():
         what = "no such folder" if not p.is_dir() else "not a Hugging Face model folder (no config.json)"
         raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")
-    problems = [f"{setting} {path}: {problem}" for problem in target_folder_problems(p, weights)]
+    problems = [f"{setting} {path}: {problem}" for problem in target_folder_problems(p, weights, tokenizer)]
     if problems:
         raise TargetFolderError(problems)
     return p
@@ -84,20 +86,21 @@ def _folder_signature(folder: Path) -> tuple:
     return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file()))
 
 
-def target_folder_problems(folder: Path, weights: bool = True) -> list[str]:
+def target_folder_problems(folder: Path, weights: bool = True, tokenizer: bool = True) -> list[str]:
     """What makes `folder` (it has a config.json) unusable as a target, one problem a line, read
     from the files alone (nothing is loaded): its config (valid JSON, a causal LM, not a DFlash
-    drafter), its tokenizer files, and with `weights` its weight files, the header of every
-    safetensors file read and checked against the file's size (a file cut short fails)."""
+    drafter), with `tokenizer` its tokenizer files, and with `weights` its weight files, the header
+    of every safetensors file read and checked against the file's size (a file cut short fails)."""
     folder = Path(folder)
-    return list(_folder_problems(str(folder.resolve()), _folder_signature(folder), weights))
+    return list(_folder_problems(str(folder.resolve()), _folder_signature(folder), weights, tokenizer))
 
 
 @functools.lru_cache(maxsize=16)
-def _folder_problems(folder: str, signature: tuple, weights: bool) -> tuple[str, ...]:
+def _folder_problems(folder: str, signature: tuple, weights: bool, tokenizer: bool) -> tuple[str, ...]:
     path = Path(folder)
     problems = _config_problems(path / "config.json")
-    problems += _tokenizer_problems(path)
+    if tokenizer:
+        problems += _tokenizer_problems(path)
     if weights:
         problems += _weight_problems(path)
     return tuple(problems)
