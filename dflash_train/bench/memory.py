@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflash_train.bench.flops import Shape
 from dflash_train.bench.workloads import WORKLOADS, synthetic_dataset
 from dflash_train.core.config import Config, ConfigError, runs_whole_target
 from dflash_train.core.drafter import default_target_layer_ids
@@ -106,14 +107,11 @@ class DecoderShape:
     def of(cls, config) -> "DecoderShape":
         """The shape of a transformers config (its text part)."""
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        kind = str(getattr(c, "model_type", ""))
-        heads, hidden = int(c.num_attention_heads), int(c.hidden_size)
+        kind, base = str(getattr(c, "model_type", "")), Shape.of(c)  # the matmul widths, as the FLOP count reads them
         layers = int(c.num_hidden_layers)
         experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
         qwen2 = kind in ("qwen2", "qwen2_moe")
-        return cls(kind, hidden, int(c.intermediate_size), layers, heads,
-                   int(getattr(c, "num_key_value_heads", None) or heads),
-                   int(getattr(c, "head_dim", None) or hidden // heads), int(c.vocab_size),
+        return cls(kind, base.hidden, base.intermediate, layers, base.heads, base.kv_heads, base.head_dim, base.vocab,
                    tied=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=qwen2 or bool(getattr(c, "attention_bias", False)),
                    o_bias=not qwen2 and bool(getattr(c, "attention_bias", False)),
