@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, random_packed_row, subprocess_env
+from conftest import ROOT, random_packed_row, subprocess_env, tiny_target_config
 from dflash_train.app import cli
 from dflash_train.bench import flops, harness, profile, workloads
 from dflash_train.core.config import load_config
@@ -68,6 +68,23 @@ def test_bench_with_skipped_steps_fails_and_says_so(tmp_path, capsys):
     assert "bench: 1 of 1 timed steps were skipped as non-finite" in err
     assert "faults.nan_at_steps=[1]" in err
     assert json.loads(out.read_text())["skipped_steps"] == 1
+
+
+def test_bench_of_a_training_workload_on_a_target_folders_shape(tmp_path, capsys):
+    """`bench --workload NAME --target DIR`: the random target (and the drafter built on it) take
+    DIR's shape from its config.json; the report names the folder among its overrides."""
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    tiny_target_config(hidden_size=48, num_hidden_layers=3, vocab_size=300).to_json_file(str(folder / "config.json"))
+    run, config = harness.build_run("tiny", [f"target.path={folder}", "drafter.mask_token_id=299"])
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (48, 3, 300)
+    assert run.step.drafter.config.hidden_size == 48
+    assert cli.main(["bench", "--workload", "tiny", "--target", str(folder), "--steps", "1", "--warmup", "0",
+                     "drafter.mask_token_id=299"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["overrides"] == ["drafter.mask_token_id=299", f"target.path={folder}"]
+    assert cli.main(["bench", "--workload", "tiny", "--target", str(tmp_path / "nothing")]) == 2
+    assert "target.path" in capsys.readouterr().err
 
 
 def test_bench_refuses_bad_input_naming_the_field(capsys):

@@ -25,6 +25,7 @@ from dflash_train.bench.memory import (
     TargetModel,
     bench_micro_batch,
     check_fits,
+    gib,
     meta_counted,
     plan_layouts,
     plan_memory,
@@ -238,6 +239,26 @@ def test_plan_of_a_named_layout_and_its_refusal(tmp_path, capsys):
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
     assert "colocated, target TP 4, drafter replicated on 8 GPUs does not fit" in captured.err
     assert "fits at" in captured.err and "(--target-tp 8 --fsdp)" in captured.err
+
+
+def test_plan_of_a_workload_on_a_target_folders_shape(tmp_path, capsys):
+    """`plan --workload NAME --target DIR`: the workload's settings and batches on DIR's shape, what
+    `bench --workload NAME --target DIR` measures."""
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    tiny_target_config(hidden_size=48, num_hidden_layers=3, vocab_size=300).to_json_file(str(folder / "config.json"))
+    assert cli.main(["plan", "--workload", "tiny", "--target", str(folder), "--gpus", "1",
+                     "drafter.mask_token_id=299"]) == 0
+    shaped = capsys.readouterr().out
+    cfg = workload_config("tiny", ["drafter.mask_token_id=299"])
+    planner = Planner.of(target_config_of(str(folder)), cfg, bench_micro_batch("tiny", cfg))
+    assert f"peak {gib(planner.plan(Layout(1)).peak)} of" in shaped.splitlines()[-1]
+    assert cli.main(["plan", "--workload", "tiny", "--gpus", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] != shaped.splitlines()[0]  # another target
+    # The workload's mask token (511) is outside this vocabulary: the setting is named, with the fix.
+    assert cli.main(["plan", "--workload", "tiny", "--target", str(folder), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "drafter.mask_token_id=511" in err and "below the target's vocabulary of 300 (e.g. 299)" in err
 
 
 def test_plan_refuses_bad_input_naming_it(tmp_path, capsys):

@@ -284,7 +284,10 @@ def add_bench_command(subparsers) -> None:
                    help="decode: prompt lengths drawn uniformly from LO..HI tokens (64,512; real chats: e.g. "
                    "16,1024 with --new-tokens 320)")
     b.add_argument("--target", default=None, metavar="DIR",
-                   help="decode: a real target folder (default: random weights of SmolLM2-135M's shape)")
+                   help="decode: a real target folder (default: random weights of SmolLM2-135M's shape); "
+                   "training workloads: random weights of this target's shape instead of the workload's (its "
+                   "config.json alone is read; the same as the override target.path=DIR), e.g. to measure the "
+                   "peak memory of your target's run before downloading its weights")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="decode: the device")
     b.add_argument("--no-overlap", action="store_true",
                    help="decode: regeneration reads each step's tokens before queueing the next")
@@ -311,7 +314,8 @@ def add_plan_command(subparsers) -> None:
     p.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes (default %(default)s)")
     p.add_argument("--target", default=None, metavar="DIR", help=f"{TARGET_HELP} (default: target.path)")
     p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
-                   help="plan a bench workload instead: its target shape, its settings and its own batches")
+                   help="plan a bench workload instead: its settings and its own batches, on its target shape "
+                   "or --target's (what `bench --workload NAME [--target DIR]` measures)")
     p.add_argument("--config", metavar="FILE", help="YAML config, as for `train`")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="X",
                    help="memory of one GPU in GiB (default %(default)g)")

@@ -35,8 +35,9 @@ from dflash_train.bench.memory import (
     target_config_of,
     worst_case_micro_batch,
 )
+from dflash_train.bench.harness import workload_target_config
 from dflash_train.bench.training import format_report, run_bench
-from dflash_train.bench.workloads import WORKLOADS, target_config, workload_config
+from dflash_train.bench.workloads import workload_config
 from dflash_train.core.config import ConfigError, load_config
 from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, output_file_problem, problems_of
@@ -236,6 +237,8 @@ def run_eval(args) -> int:
 
 
 def run_bench_cli(args) -> int:
+    if args.target:  # a training workload on a random target of this folder's shape
+        args.overrides = [*args.overrides, f"target.path={args.target}"]
     output = Path(args.output) if args.output else None
     summary = None
     if args.profile and world_size() > 1:
@@ -356,8 +359,9 @@ def run_plan(args) -> int:
 
 
 def plan_settings(args):
-    """(the settings, the target's transformers config) of `dflash-train plan`: a bench workload's,
-    or the config file's defaults <- --config <- overrides with --target or target.path."""
+    """(the settings, the target's transformers config) of `dflash-train plan`: a bench workload's
+    (on --target's shape where given), or the config file's defaults <- --config <- overrides
+    with --target or target.path."""
     problems = []
     for flag, value, low in (("--gpus", args.gpus, 1), ("--nodes", args.nodes, 1), ("--target-tp", args.target_tp, 1),
                              ("--target-ranks", args.target_ranks, 1)):
@@ -367,12 +371,14 @@ def plan_settings(args):
         problems.append(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib:g}")
     if not 0 < args.supervised_share <= 1:
         problems.append(f"--supervised-share must be in (0, 1], got {args.supervised_share:g}")
-    if args.workload and (args.target or args.config):
-        problems.append("--workload brings its own target shape and settings: drop --target and --config")
+    if args.workload and args.config:
+        problems.append("--workload brings its own settings: drop --config")
     if problems:
         raise InputError("; ".join(problems))
-    if args.workload:
-        return workload_config(args.workload, list(args.overrides)), target_config(WORKLOADS[args.workload])
+    if args.workload:  # with --target: the workload's settings and batches on that target's shape
+        overrides = [*args.overrides, *([f"target.path={args.target}"] if args.target else [])]
+        config = workload_target_config(args.workload, overrides)
+        return workload_config(args.workload, overrides, shape=config), config
     cfg = load_config(args.config, list(args.overrides), base={})
     setting = "--target" if args.target else "target.path"
     return cfg, target_config_of(args.target or cfg.target.path, setting)

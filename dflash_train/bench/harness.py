@@ -9,6 +9,7 @@ import time
 import torch
 
 from dflash_train.bench.flops import Shape, WorkCount, useful_flops
+from dflash_train.bench.memory import target_config_of
 from dflash_train.bench.workloads import (
     WORKLOADS,
     RandomFeatureTarget,
@@ -58,14 +59,15 @@ def compiled_graph_count() -> int:
 
 def build_run(workload: str, overrides: list[str], drafter_only: bool = False, log=print, dist=None):
     """The workload's run (train.loop.build, checkpoints off): its settings plus `overrides`,
-    synthetic data, and a random target of the workload's shape (or random features with
-    `drafter_only`); returns it and the target's transformers config. `dist`: this rank's
+    synthetic data, and a random target of the workload's shape, or of the shape of the folder
+    a `target.path=DIR` override names (its config.json alone is read); random features instead
+    with `drafter_only`. Returns it and the target's transformers config. `dist`: this rank's
     dist.Dist when the caller made it already."""
-    cfg = workload_config(workload, overrides, drafter_only)
     wl = WORKLOADS[workload]
+    config = workload_target_config(workload, overrides)
+    cfg = workload_config(workload, overrides, drafter_only, config)
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    config = target_config(wl)
     seed = cfg.train.seed
     if drafter_only:
         target = lambda layer_ids, labels: RandomFeatureTarget(config, layer_ids, device, dtype, seed)  # noqa: E731
@@ -76,6 +78,13 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
     run = build(cfg, log=log, target_config=config, build_target=target, build_heads=heads,
                 dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed), checkpointing=False, dist=dist)
     return run, config
+
+
+def workload_target_config(workload: str, overrides: list[str]):
+    """The transformers config of a bench's random target: the shape of the folder the last
+    `target.path=DIR` override names, else the workload's own."""
+    given = [item.split("=", 1)[1] for item in overrides if item.startswith("target.path=")]
+    return target_config_of(given[-1]) if given else target_config(WORKLOADS[workload])
 
 
 def step_flops(run, config, work: WorkCount, target_ran: bool = True) -> dict[str, float]:

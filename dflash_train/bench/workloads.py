@@ -168,8 +168,9 @@ class RandomFeatureTarget:
         return torch.nn.functional.embedding(ids, self.embed_weight)
 
 
-def workload_config(workload: str, overrides: list[str], drafter_only: bool = False):
-    """The workload's settings plus `overrides`, checked for what a synthetic run needs."""
+def workload_config(workload: str, overrides: list[str], drafter_only: bool = False, shape=None):
+    """The workload's settings plus `overrides`, checked for what a synthetic run needs; `shape`:
+    the transformers config of the random target (None: the workload's)."""
     if workload not in WORKLOADS:
         raise ConfigError([f"--workload {workload!r} is unknown: choose one of {', '.join(WORKLOADS)}"])
     wl = WORKLOADS[workload]
@@ -177,7 +178,9 @@ def workload_config(workload: str, overrides: list[str], drafter_only: bool = Fa
     if drafter_only and cfg.objective.labels != "data":
         raise ConfigError([f"--drafter-only runs no target, so objective.labels={cfg.objective.labels} has no "
                            f"labels: drop one of the two"])
-    if cfg.drafter.mask_token_id is None:
-        raise ConfigError(["drafter.mask_token_id: synthetic data has no tokenizer to choose a mask token "
-                           f"from; set it (below the target's vocabulary of {wl.target['vocab_size']})"])
+    vocab = int(wl.target["vocab_size"] if shape is None else shape.get_text_config().vocab_size)
+    mask = cfg.drafter.mask_token_id
+    if mask is None or not 0 <= mask < vocab:
+        raise ConfigError([f"drafter.mask_token_id={mask}: synthetic data has no tokenizer to choose a mask token "
+                           f"from; set one below the target's vocabulary of {vocab} (e.g. {vocab - 1})"])
     return cfg
