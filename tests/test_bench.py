@@ -11,7 +11,7 @@ import torch
 
 from conftest import ROOT, random_packed_row, subprocess_env, tiny_target_config
 from dflash_train.app import cli
-from dflash_train.bench import flops, harness, profile, workloads
+from dflash_train.bench import decoding, flops, harness, profile, workloads
 from dflash_train.core.config import load_config
 from dflash_train.core.masks import build_layout, dense_mask, packed_anchor_count, sample_anchors, step_generator
 
@@ -273,7 +273,7 @@ def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, ca
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report == json.loads(out.read_text())
-    assert report["workload"] == "decode" and report["device"] == "cpu"
+    assert report["workload"] == "decode" and report["device"] == "cpu" and report["drafter_layers"] == 5
     assert [(e["rows"], e["graphs"]) for e in report["regeneration"]] == [(1, False), (3, False)]
     for entry in report["regeneration"]:
         assert entry["tokens"] == 6 * max(2, 2 * entry["rows"]) and entry["tokens_per_s"] > 0
@@ -286,16 +286,21 @@ def test_decode_bench_reports_rates_and_cycle_cost_in_one_json_line(tmp_path, ca
                for e in report["regeneration"])
 
 
-def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
-    """--prompt-lengths sets the requests' prompts (the report says so); --profile writes the
-    operator table of profiled regeneration steps at the largest row count next to --output;
-    bad lengths are refused with the fix."""
+def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys, monkeypatch):
+    """--prompt-lengths sets the requests' prompts (the report says so); --drafter-layers the
+    timed drafter's depth; --profile writes the operator table of profiled regeneration steps at
+    the largest row count next to --output; bad lengths and depths are refused with the fix."""
+
     out = tmp_path / "decode.json"
     argv = ["bench", "--workload", "decode", "--target", "bundled:tiny-random-llama", "--rows", "1,2",
             "--new-tokens", "4", "--prompt-lengths", "3,9", "--device", "cpu", "--profile", "--output", str(out),
-            "--attention", "varlen", "--no-overlap"]
+            "--attention", "varlen", "--no-overlap", "--drafter-layers", "2"]
+    built = []
+    real_build = decoding.build_models
+    monkeypatch.setattr(decoding, "build_models", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
+    assert report["drafter_layers"] == 2 and built[0][1].config.num_hidden_layers == 2
     assert {e["overlap"] for e in report["regeneration"]} == {False}
     assert report["prompt_lengths"] == [3, 9]
     assert {e["attention"] for e in report["regeneration"] + report["batch_one"]} == {"varlen-reference"}
@@ -310,6 +315,8 @@ def test_decode_bench_prompt_lengths_and_profile(tmp_path, capsys):
     for bad in ("9,3", "0,5", "64", "a,b"):
         assert cli.main(["bench", "--workload", "decode", "--prompt-lengths", bad, "--device", "cpu"]) == 2
         assert f"--prompt-lengths {bad}: give the shortest and longest prompt" in capsys.readouterr().err
+    assert cli.main(["bench", "--workload", "decode", "--drafter-layers", "0", "--device", "cpu"]) == 2
+    assert "--drafter-layers must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_decode_profile_window_has_every_row_live_and_no_prefill(tmp_path):

@@ -137,6 +137,12 @@ MEASURED = [
     # docs/results/2026-12-06-fsdp-one-rank-w2-h100.md, one H100: train.fsdp=true on one rank
     ("w2", Layout(1, fsdp=True), 57.47),
 ]
+# ... and on random targets of other real shapes (`bench --workload w2 --target DIR`):
+# docs/results/2026-12-06-planner-real-shapes-h100.md, one H100.
+MEASURED_SHAPES = [
+    ("llama-3.1-8b", ["drafter.mask_token_id=128255"], 56.50),
+    ("qwen3-30b-a3b", ["data.token_budget=3072"], 66.80),
+]
 
 
 @pytest.mark.parametrize("workload, layout, measured", MEASURED)
@@ -144,6 +150,18 @@ def test_the_planner_is_within_15_percent_of_the_measured_peaks(workload, layout
     cfg = workload_config(workload, [])
     plan = Planner.of(target_config(WORKLOADS[workload]), cfg, bench_micro_batch(workload, cfg)).plan(layout)
     assert plan.peak / GIB == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize("shape, overrides, measured", MEASURED_SHAPES)
+def test_the_planner_is_within_5_percent_of_the_peaks_measured_on_other_shapes(tmp_path, capsys, shape, overrides,
+                                                                                measured):
+    """What `plan --workload w2 --target DIR` prints against what `bench` measured on that shape
+    (neither was used to fit anything)."""
+    folder = target_folder(tmp_path, shape)
+    assert cli.main(["plan", "--workload", "w2", "--target", str(folder), "--gpus", "1", *overrides]) == 0
+    best = capsys.readouterr().out.splitlines()[-1]
+    planned = float(best.split(", peak ")[1].split()[0])
+    assert planned == pytest.approx(measured, rel=0.05)
 
 
 def test_the_quality_recipes_measured_training_peak_is_under_the_worst_case():

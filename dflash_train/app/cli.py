@@ -280,6 +280,8 @@ def add_bench_command(subparsers) -> None:
     b.add_argument("--eager-rows", default=None, metavar="N,N,...",
                    help="decode: the row counts also measured without graphs (default: all of --rows)")
     b.add_argument("--new-tokens", type=int, default=None, metavar="N", help="decode: tokens per request (128)")
+    b.add_argument("--drafter-layers", type=int, default=None, metavar="N",
+                   help="decode: layers of the random drafter whose batch-1 speculative cycle is timed (5)")
     b.add_argument("--prompt-lengths", default=None, metavar="LO,HI",
                    help="decode: prompt lengths drawn uniformly from LO..HI tokens (64,512; real chats: e.g. "
                    "16,1024 with --new-tokens 320)")

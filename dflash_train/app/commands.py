@@ -12,6 +12,7 @@ import torch
 
 from dflash_train.app import recipe
 from dflash_train.bench.decoding import (
+    DEFAULT_DRAFTER_LAYERS,
     DEFAULT_NEW_TOKENS,
     DEFAULT_PROMPT,
     DEFAULT_ROWS,
@@ -287,8 +288,9 @@ def run_decode_bench_cli(args) -> int:
 
     problems = []
     rows, eager = counts("--rows", args.rows) or DEFAULT_ROWS, counts("--eager-rows", args.eager_rows)
-    if args.new_tokens is not None and args.new_tokens < 1:
-        problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    for flag, value in (("--new-tokens", args.new_tokens), ("--drafter-layers", args.drafter_layers)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} must be >= 1, got {value}")
     lengths = DEFAULT_PROMPT
     if args.prompt_lengths is not None:
         try:
@@ -311,7 +313,8 @@ def run_decode_bench_cli(args) -> int:
         profile = (Path(args.output).parent if args.output else Path(".")) / "bench-decode-kernels.txt"
     bench = DecodeBench(rows=rows, eager_rows=eager, profile_path=profile,
                         requests=Requests(new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS, prompt_lengths=lengths),
-                        engine=EngineSettings(attention=args.attention, overlap=not args.no_overlap))
+                        engine=EngineSettings(attention=args.attention, overlap=not args.no_overlap),
+                        drafter_layers=args.drafter_layers or DEFAULT_DRAFTER_LAYERS)
     report = run_decode_bench(bench, target=args.target, device=args.device)
     line = json.dumps(report)
     if args.output:

@@ -75,12 +75,15 @@ class DecodeBench:
     requests: Requests = Requests()
     engine: EngineSettings = EngineSettings()
     profile_path: Path | None = None
+    drafter_layers: int = DEFAULT_DRAFTER_LAYERS
+    """Layers of the random drafter whose speculative cycle is timed."""
 
 
-def build_models(target: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def build_models(target: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 num_layers: int = DEFAULT_DRAFTER_LAYERS):
     """(target model, drafter): `target` is a folder (or bundled name) or None for a random
-    SmolLM2-135M-shaped one; the drafter is random, 5 layers (5 taps, fewer on a target of fewer
-    tappable layers), block 16, in the target's dtype."""
+    SmolLM2-135M-shaped one; the drafter is random, `num_layers` layers (as many taps, fewer on
+    a target of fewer tappable layers), block 16, in the target's dtype."""
     torch.manual_seed(seed)
     if target is None:
         fields = dict(SMOLLM2_135M)
@@ -92,8 +95,8 @@ def build_models(target: str | None, device: torch.device, dtype: torch.dtype, s
         model, _ = load_target_model(target, device, dtype)
     vocab, layers = int(model.config.vocab_size), int(model.config.get_text_config().num_hidden_layers)
     # as many taps as layers, but no more than the target's layers before its last
-    cfg = build_drafter_config(model.config, num_layers=DEFAULT_DRAFTER_LAYERS, block_size=BLOCK_SIZE,
-                               num_taps=min(DEFAULT_DRAFTER_LAYERS, layers - 1), mask_token_id=vocab - 1)
+    cfg = build_drafter_config(model.config, num_layers=num_layers, block_size=BLOCK_SIZE,
+                               num_taps=min(num_layers, layers - 1), mask_token_id=vocab - 1)
     drafter = DFlashDrafter(cfg).to(device, dtype).eval().requires_grad_(False)
     return model, drafter
 
@@ -224,13 +227,14 @@ def run_decode_bench(bench: DecodeBench = DecodeBench(), *, target: str | None =
     (with graphs where they run) is profiled too."""
     dev = resolve_device(device, setting="--device")
     torch_dtype = resolve_dtype(dtype, dev)
-    model, drafter = build_models(target, dev, torch_dtype)
+    model, drafter = build_models(target, dev, torch_dtype, num_layers=bench.drafter_layers)
     modes = [True, False] if dev.type == "cuda" else [False]
     rows, requests, engine = tuple(bench.rows), bench.requests, bench.engine
     eager_rows = rows if bench.eager_rows is None else tuple(bench.eager_rows)
     report = {"workload": "decode", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "dtype": str(torch_dtype).removeprefix("torch."), "target": target or "random SmolLM2-135M shape",
-              "new_tokens": requests.new_tokens, "prompt_lengths": list(requests.prompt_lengths), "regeneration": [],
+              "drafter_layers": bench.drafter_layers, "new_tokens": requests.new_tokens,
+              "prompt_lengths": list(requests.prompt_lengths), "regeneration": [],
               "batch_one": [], "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     measured = [r for r in rows if modes[0] or r in eager_rows]  # in the first pass
     largest = max(measured) if measured else None
