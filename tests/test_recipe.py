@@ -6,12 +6,14 @@ served tau printed last)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dflash_train.app import cli, commands, recipe
 from dflash_train.app.recipe import Recipe
+from dflash_train.data import sources
 
 TINY = "bundled:tiny-random-llama"
 
@@ -112,6 +114,53 @@ def test_data_stages_past_the_budget_are_not_started(tmp_path, monkeypatch):
                     "are not made",
                     "dflash-train train: the data's share of the budget is spent; the word-problems prompts are not "
                     "made"]
+
+
+def test_the_sources_prompts_are_written_aside_as_the_stage_writes_them(tmp_path, monkeypatch):
+    """With prompts_aside (a GPU plan's default) each source's prompts come from a process of its
+    own, byte for byte what the stage writes itself; the run's process writes none of them."""
+    plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), records=0, target_prompts=0,
+                   sources=(("word-problems", 8), ("python-functions", 5)), prompts_aside=True)
+    expected = {}
+    for name, count in plan.sources:
+        expected[name] = tmp_path / f"{name}.jsonl"
+        sources.write_source(name, expected[name], limit=count)
+    asked = []
+
+    def regenerate_up_to(plan, data, out, want, *args):
+        asked.append((data.name, want))
+        out.write_text("{}\n")
+        return False
+
+    monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
+    monkeypatch.setattr(recipe.sources, "write_source", lambda *a, **k: pytest.fail("written in the run's process"))
+    assert len(recipe.make_data(plan, 8, None, print)) == 2
+    assert asked == [("word-problems-8.jsonl", 8), ("python-functions-5.jsonl", 5)]
+    for name, count in plan.sources:
+        assert plan.source_prompts(name, count).read_bytes() == expected[name].read_bytes()
+
+
+def test_a_failed_or_stopped_prompt_writer_costs_nothing(tmp_path, monkeypatch):
+    """A writer that failed: its stage writes the prompts itself. A writer stopped before its stage
+    (a budget, a signal) leaves no file behind, not even part of one."""
+    plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), sources=(("python-packages", 50),),
+                   prompts_aside=True)
+    writers = recipe.start_prompt_writers(plan)
+    recipe.stop_prompt_writers(writers)
+    assert not writers["python-packages"].is_alive()
+    assert not plan.source_prompts("python-packages", 50).exists()
+
+    class Failed:
+        exitcode = 1
+
+        def join(self):
+            pass
+
+    asked = []
+    monkeypatch.setattr(recipe, "_regenerate_up_to", lambda plan, data, out, want, *a: asked.append(want) or False)
+    plan = replace(plan, sources=(("word-problems", 6),))
+    recipe._regenerate_source(plan, "word-problems", 6, 8, None, print, Failed())
+    assert asked == [6] and len(plan.source_prompts("word-problems", 6).read_text().splitlines()) == 6
 
 
 def test_a_rerun_of_a_run_in_progress_trains_on_the_data_it_started_with(tmp_path, monkeypatch):

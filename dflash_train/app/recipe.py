@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import multiprocessing
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +107,10 @@ class Recipe:
     The data stages stop starting new work at `data_share` of it (what they made is kept, and a
     rerun resumes them); training then has the rest, at most `max_time_s`."""
     data_share: float = 0.5
+    prompts_aside: bool = True
+    """The offline sources' prompts written in processes of their own while the target makes the
+    chats (CPU work: python-packages parses docstrings for about a minute); False: each source's
+    stage writes its own, in turn."""
 
     @classmethod
     def own_data(cls, target: str, device: str, output_dir: str | None = None,
@@ -121,7 +127,7 @@ class Recipe:
                    max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
                    data_dir=f"{out}/target-data", steps=12, max_time_s=budget_s or 1e9, validation=4, eval_every=6,
                    train_args=CPU_TRAIN_ARGS, eval_limit=2, eval_max_new_tokens=16, speedup_turns=1, workers=1,
-                   eval_batch_size=2, device="cpu")
+                   eval_batch_size=2, device="cpu", prompts_aside=False)
 
     def data_root(self) -> Path:
         """Where the data is made: beside a `regenerated` file given, else `data_dir`, else the
@@ -273,7 +279,16 @@ def data_of_run_in_progress(plan: Recipe, log) -> list[Path] | None:
 def make_data(plan: Recipe, rows: int, deadline: float | None, log) -> list[Path] | None:
     """The training files: the chats regenerated, the target's own conversations, the prompt
     sources regenerated, each resumed; a stage past `deadline` keeps what it made. None when a
-    signal stopped a stage."""
+    signal stopped a stage. The sources' prompts are written aside meanwhile (plan.prompts_aside)."""
+    writers = start_prompt_writers(plan)
+    try:
+        return _make_data(plan, rows, deadline, log, writers)
+    finally:
+        stop_prompt_writers(writers)
+
+
+def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
+               writers: dict[str, multiprocessing.Process]) -> list[Path] | None:
     files = []
     if plan.records:
         path = plan.regenerated_path()
@@ -289,7 +304,7 @@ def make_data(plan: Recipe, rows: int, deadline: float | None, log) -> list[Path
         if _past(deadline, f"the {name} prompts", log):
             continue
         _release()
-        answered = _regenerate_source(plan, name, count, rows, deadline, log)
+        answered = _regenerate_source(plan, name, count, rows, deadline, log, writers.get(name))
         if answered is None:
             return None
         files.append(answered)
@@ -363,13 +378,56 @@ def _regenerate_up_to(plan: Recipe, data, out: Path, want: int, rows: int, what:
     return False
 
 
-def _regenerate_source(plan: Recipe, name: str, count: int, rows: int, deadline: float | None, log) -> Path | None:
-    """Source `name`'s first `count` prompts written (seconds; the same every time on one
-    installation, so a stopped regeneration resumes) and regenerated like the chats. Returns
-    the regenerated file, None when a signal stopped it."""
+def start_prompt_writers(plan: Recipe) -> dict[str, multiprocessing.Process]:
+    """With plan.prompts_aside, a process per offline source writing its prompts to
+    plan.source_prompts (spawned, as CUDA wants; python-functions starts a pool of its own, so
+    they are not daemons): {source: its process}. None of them holds anything the run needs: a
+    stage whose writer failed writes its prompts itself."""
+    if not plan.prompts_aside:
+        return {}
+    context = multiprocessing.get_context("spawn")
+    writers = {}
+    for name, count in plan.sources:
+        path = plan.source_prompts(name, count)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writers[name] = context.Process(target=write_prompts_aside, args=(name, str(path), count),
+                                        name=f"dflash-train prompts {name}")
+        writers[name].start()
+    return writers
+
+
+def write_prompts_aside(name: str, path: str, count: int) -> None:
+    """A prompt writer's process: the source's prompts written (atomically), else exit status 1
+    and nothing written (its stage then writes them itself, and says what failed)."""
+    try:
+        sources.write_source(name, path, limit=count)
+    except Exception:  # said by the stage that writes them again in the run's process
+        sys.exit(1)
+
+
+def stop_prompt_writers(writers: dict[str, multiprocessing.Process]) -> None:
+    """The writers still running (their stage was not reached: a budget or a signal) stopped;
+    their files are written atomically, so a stopped one leaves none."""
+    for writer in writers.values():
+        if writer.is_alive():
+            writer.terminate()
+        writer.join()
+
+
+def _regenerate_source(plan: Recipe, name: str, count: int, rows: int, deadline: float | None, log,
+                       writer: multiprocessing.Process | None = None) -> Path | None:
+    """Source `name`'s first `count` prompts, written by `writer` (waited for) or here (seconds to a
+    minute; the same every time on one installation, so a stopped regeneration resumes), and
+    regenerated like the chats. Returns the regenerated file, None when a signal stopped it."""
     prompts = plan.source_prompts(name, count)
     prompts.parent.mkdir(parents=True, exist_ok=True)
-    total = sources.write_source(name, prompts, limit=count)
+    if writer is not None:
+        writer.join()
+    if writer is not None and writer.exitcode == 0:
+        with open(prompts, "rb") as f:
+            total = sum(1 for _ in f)
+    else:
+        total = sources.write_source(name, prompts, limit=count)
     answered = plan.source_answers(name, count, prompts)
     if _regenerate_up_to(plan, prompts, answered, total, rows, f"{name} records", deadline, log):
         return None
