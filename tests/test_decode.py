@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -312,6 +313,50 @@ def test_slot_decoder_refills_and_equals_transformers_greedy(tiny_target, rows, 
     assert [done[i].output_ids for i in range(len(ps))] == refs
     assert [done[i].stopped for i in range(len(ps))] == [stop in r for r in refs]
     assert slots.generated == sum(len(r) for r in refs) and not slots.busy
+
+
+def converse(slots: SlotDecoder, openings: list[list[int]], turns: int, budget: int, rewrite: int = -1):
+    """Conversations of `turns` turns on `slots`, each next turn added under the conversation's key
+    as soon as its last one is answered: its last prompt, the whole answer and new user ids. With
+    `rewrite` = k, conversation k's later prompts change one of their first ids (not a
+    continuation of what its slot holds). Returns {key: [output ids per turn]}."""
+    prompt_of, outputs = {}, {k: [] for k in range(len(openings))}
+    for k, opening in enumerate(openings):
+        prompt_of[k] = list(opening)
+        slots.add(k, prompt_of[k], budget, seed=k)
+    while slots.busy:
+        for f in slots.step():
+            outputs[f.key].append(f.output_ids)
+            if len(outputs[f.key]) < turns:
+                user = np.random.default_rng(100 * f.key + len(outputs[f.key])).integers(0, 100, 3 + f.key % 4)
+                nxt = prompt_of[f.key] + f.output_ids + user.tolist()
+                if f.key == rewrite:
+                    nxt[0] = (nxt[0] + 1) % 100
+                prompt_of[f.key] = nxt
+                slots.add(f.key, nxt, budget, seed=f.key * 10 + len(outputs[f.key]))
+    return outputs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_conversations_next_turn_continues_in_its_slot_with_the_same_tokens(tiny_target, overlap, temperature):
+    """continue_turns: a turn added under a finished one's key, its prompt that one's prompt and
+    answer and more, prefills only what is new (the keys before it kept in the slot), and every
+    turn gets the tokens of prefilling the whole prompt, greedy or sampled; a conversation whose
+    earlier ids changed is prefilled whole. Fewer rows than conversations: refills and the
+    compaction at the tail run between turns."""
+    openings = prompts([5, 11, 3, 8, 14, 2], seed=4)
+    runs, reused = [], []
+    for keep in (False, True):
+        slots = SlotDecoder.for_model(tiny_target, 4, 160, temperature=temperature, top_p=0.95, refill=1,
+                                      overlap=overlap, continue_turns=keep)
+        runs.append(converse(slots, openings, turns=3, budget=6, rewrite=2))
+        reused.append(slots.reused_tokens)
+    assert runs[1] == runs[0] and all(len(v) == 3 for v in runs[0].values())
+    assert reused[0] == 0
+    # Every continued turn kept its last prompt and all but the last answer token: 6 conversations x
+    # 2 later turns at most, conversation 2 (rewritten) never.
+    assert 0 < reused[1] < sum(len(o) for o in openings) * 4 + 6 * 2 * 12
 
 
 def test_overlapped_steps_with_requests_arriving_between_them(tiny_target, monkeypatch):

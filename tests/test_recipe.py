@@ -120,7 +120,7 @@ def test_the_sources_prompts_are_written_aside_as_the_stage_writes_them(tmp_path
     """With prompts_aside (a GPU plan's default) each source's prompts come from a process of its
     own, byte for byte what the stage writes itself; the run's process writes none of them."""
     plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), records=0, target_prompts=0,
-                   sources=(("word-problems", 8), ("python-functions", 5)), prompts_aside=True)
+                   sources=(("word-problems", 8),), prompts_aside=True)
     expected = {}
     for name, count in plan.sources:
         expected[name] = tmp_path / f"{name}.jsonl"
@@ -134,8 +134,8 @@ def test_the_sources_prompts_are_written_aside_as_the_stage_writes_them(tmp_path
 
     monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
     monkeypatch.setattr(recipe.sources, "write_source", lambda *a, **k: pytest.fail("written in the run's process"))
-    assert len(recipe.make_data(plan, 8, None, print)) == 2
-    assert asked == [("word-problems-8.jsonl", 8), ("python-functions-5.jsonl", 5)]
+    assert len(recipe.make_data(plan, 8, None, print)) == 1
+    assert asked == [("word-problems-8.jsonl", 8)]
     for name, count in plan.sources:
         assert plan.source_prompts(name, count).read_bytes() == expected[name].read_bytes()
 

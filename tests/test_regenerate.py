@@ -230,6 +230,23 @@ def test_output_does_not_depend_on_rows_or_refill_order(tmp_path, tiny_target):
         assert texts[0] == texts[1] == texts[2]
 
 
+def test_next_turns_continue_in_their_rows_and_write_what_whole_prefills_write(tmp_path, tiny_target):
+    """By default a conversation's next turn is prefilled from where its last one ended (the keys
+    of the prompt and answer kept in its row); the records are those of prefilling every prompt
+    whole (--no-continue-turns), greedy and sampled, and the summary counts the kept tokens."""
+    src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT + OPENAI)
+    for temperature in (0.0, 1.0):
+        texts, kept = [], []
+        for keep in (False, True):
+            out = tmp_path / f"t{temperature}-{keep}.jsonl"
+            summary = run([src], tiny_target, out, batch_size=4, temperature=temperature, top_p=0.9,
+                          continue_turns=keep)
+            texts.append(out.read_text())
+            kept.append(summary["num_prompt_tokens_kept"])
+        assert texts[0] == texts[1]
+        assert kept[0] == 0 < kept[1]
+
+
 def test_resume_after_a_kill_mid_file(tmp_path, tiny_target):
     """A real regeneration process SIGKILLed while it writes: the rerun of the same command
     resumes after the last whole line and the file equals an uninterrupted run's."""

@@ -75,8 +75,9 @@ class RegenerationOptions:
     (greedy at 0) within nucleus `top_p` with per-turn seeds from `seed` (serving.turn_seed); a
     conversation is cut before a turn whose prompt exceeds `max_prompt_length` tokens. How:
     `batch_size` turns decoded at once (engine rows; fewer when the job has fewer turns) on
-    `device`, in `workers` processes, with CUDA graphs (`graphs`) and the next step queued early
-    (`overlap`); `window` conversations in flight (None: twice the turns the responder takes at
+    `device`, in `workers` processes, with CUDA graphs (`graphs`), the next step queued early
+    (`overlap`) and a conversation's next turn prefilled from where its last one ended
+    (`continue_turns`); `window` conversations in flight (None: twice the turns the responder takes at
     once). How much: at most `limit` more records (None: every record), and none started after
     `deadline` (a time.time() instant; None: no time box: the records finished by then are
     written, `out_of_time` in the summary, and the same job resumes later). A progress line
@@ -93,6 +94,7 @@ class RegenerationOptions:
     workers: int = 1
     graphs: bool = True
     overlap: bool = True
+    continue_turns: bool = True
     window: int | None = None
     limit: int | None = None
     progress_every_s: float = 10.0
@@ -103,7 +105,7 @@ class RegenerationOptions:
         """What a responder answers each turn with, `rows` turns at once."""
         return Decoding(max_new_tokens=self.max_new_tokens, max_prompt_length=self.max_prompt_length,
                         temperature=self.temperature, top_p=self.top_p, rows=rows, graphs=self.graphs,
-                        overlap=self.overlap)
+                        overlap=self.overlap, continue_turns=self.continue_turns)
 
 
 def to_output(record: Record, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -492,9 +494,10 @@ def _worker_span(state, item) -> tuple[str, dict[str, int]]:
     responder, tokenizer, options = state
     position, records, kept = item
     stats = {**dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0)}
-    before, engine = responder.generated_tokens, responder.engine_seconds()
+    before, kept_before, engine = responder.generated_tokens, responder.kept_prompt_tokens, responder.engine_seconds()
     text = "".join(regenerate_stream(responder, tokenizer, records, position, options, stats, finished=dict(kept)))
     stats["num_new_tokens"] = responder.generated_tokens - before
+    stats["num_prompt_tokens_kept"] = responder.kept_prompt_tokens - kept_before
     stats.update({k: v - engine[k] for k, v in responder.engine_seconds().items()})
     return text, stats
 
@@ -536,7 +539,9 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
         host = (f", host: prompts {100 * stats['prompt_s'] / elapsed:.0f}%, "
                 f"text {100 * stats['text_s'] / elapsed:.0f}% of the time")
     if elapsed > 0 and stats.get("wait_s"):
-        host += (f"; engine: refills {100 * stats['prefill_s'] / elapsed:.0f}%, queueing steps "
+        kept = f" ({stats['num_prompt_tokens_kept']:,} prompt tokens kept from the turn before)" \
+            if stats.get("num_prompt_tokens_kept") else ""
+        host += (f"; engine: refills {100 * stats['prefill_s'] / elapsed:.0f}%{kept}, queueing steps "
                  f"{100 * stats['launch_s'] / elapsed:.0f}%, waiting on decode steps "
                  f"{100 * stats['wait_s'] / elapsed:.0f}%, booking {100 * stats['book_s'] / elapsed:.0f}%")
     log(f"data regenerate: {finished}/{total} records ({stats['num_written']} written), {stats['num_turns']} turns, "
@@ -603,7 +608,7 @@ def _open_job(paths, out: Path, options: RegenerationOptions, log) -> _Job:
                "skipped": [s.as_dict() for s in skipped], "num_resumed": done,
                "num_ahead_resumed": sum(done <= p < stop for p in kept), "num_ahead_kept": len(kept),
                "num_written": 0, **dict.fromkeys(CHUNK_STATS, 0), **dict.fromkeys(HOST_STATS, 0.0),
-               **dict.fromkeys(ENGINE_STATS, 0.0), "num_new_tokens": 0}
+               **dict.fromkeys(ENGINE_STATS, 0.0), "num_new_tokens": 0, "num_prompt_tokens_kept": 0}
     if done:
         log(f"data regenerate: resuming {out} after {done} of {len(records)} records")
     if summary["num_ahead_resumed"]:
@@ -658,6 +663,7 @@ def _write_stream(job: _Job, responder: Responder, tokenizer, options: Regenerat
 
     def report(finished: int) -> None:
         summary["num_new_tokens"] = responder.generated_tokens
+        summary["num_prompt_tokens_kept"] = responder.kept_prompt_tokens
         summary.update(responder.engine_seconds())
         if time.perf_counter() - last_log[0] >= options.progress_every_s:
             _progress(job.log, job.done + finished, job.stop, job.done, summary, summary["num_new_tokens"],
@@ -681,6 +687,7 @@ def _write_stream(job: _Job, responder: Responder, tokenizer, options: Regenerat
         if signals is not None:
             signals.restore()
     summary["num_new_tokens"] = responder.generated_tokens
+    summary["num_prompt_tokens_kept"] = responder.kept_prompt_tokens
     summary.update(responder.engine_seconds())
     summary["capture_s"] = responder.capture_seconds
     summary["rows"] = responder.capacity  # turns decoded at once (engine rows, or server concurrency)

@@ -25,8 +25,10 @@ from dflash_train.engine.slots import SlotDecoder
 class Decoding:
     """How a turn is answered: at most `max_new_tokens` new tokens after a prompt of at most
     `max_prompt_length` tokens, sampled at `temperature` (greedy at 0) within nucleus `top_p`;
-    on the decoding engine also `rows` turns decoded at once, CUDA graphs (`graphs`) and the next
-    step queued before the last one's tokens are read (`overlap`, slots.SlotDecoder)."""
+    on the decoding engine also `rows` turns decoded at once, CUDA graphs (`graphs`), the next
+    step queued before the last one's tokens are read (`overlap`, slots.SlotDecoder) and a
+    conversation's next turn going on in its row from the keys its last turn left there
+    (`continue_turns`, slots.Continuations)."""
 
     max_new_tokens: int
     max_prompt_length: int
@@ -35,6 +37,7 @@ class Decoding:
     rows: int = 1
     graphs: bool = True
     overlap: bool = True
+    continue_turns: bool = True
 
     @property
     def positions(self) -> int:
@@ -56,6 +59,9 @@ class Responder(Protocol):
 
     def engine_seconds(self) -> dict[str, float]: ...  # ENGINE_STATS it measures, so far
 
+    @property
+    def kept_prompt_tokens(self) -> int: ...  # prompt tokens not prefilled again, so far
+
 
 class LocalResponder:
     """The target on the decoding engine: turns are slots.SlotDecoder requests, `rows` at a
@@ -66,12 +72,17 @@ class LocalResponder:
         stop = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         self.slots = SlotDecoder.for_model(model, decoding.rows, decoding.positions, temperature=decoding.temperature,
                                            top_p=decoding.top_p, graphs=decoding.graphs, stop_ids=stop,
-                                           overlap=decoding.overlap)
+                                           overlap=decoding.overlap, continue_turns=decoding.continue_turns)
         self.text_seconds = 0.0  # ids -> text of the finished turns (host work between steps)
 
     @property
     def generated_tokens(self) -> int:
         return self.slots.generated
+
+    @property
+    def kept_prompt_tokens(self) -> int:
+        """Prompt tokens whose keys a conversation's last turn left in its row (not prefilled)."""
+        return self.slots.reused_tokens
 
     @property
     def load(self) -> int:
@@ -120,6 +131,7 @@ class ServerResponder:
         self.futures: dict = {}
         self.generated_tokens = 0
         self.capture_seconds = 0.0
+        self.kept_prompt_tokens = 0  # a server's own prefix cache is its business
 
     def engine_seconds(self) -> dict[str, float]:
         """None of ENGINE_STATS: the engines' time is the servers'."""

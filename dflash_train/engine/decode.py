@@ -293,6 +293,28 @@ class TargetSteps:
         feats = self.taps.features() if self.taps is not None else None
         return first_R, (feats if features else None)
 
+    def extend(self, slots: torch.Tensor, tails: list[torch.Tensor], starts: list[int], seeds_R: torch.Tensor):
+        """Each row's `tails[i]` written after the `starts[i]` positions its slot already holds
+        (a conversation's next turn, the keys of everything before it kept from its last turn), in
+        one eager forward over the position mask of the columns up to the longest row's end.
+        Returns the first new token of each row [R], chosen at its last position as a prefill of
+        the whole prompt chooses it (same position, same seed)."""
+        R, P = len(tails), max(len(t) for t in tails)
+        sizes = [len(t) for t in tails]
+        starts_R, lengths = to_device(starts, self.device), to_device(sizes, self.device)
+        ids_RP = _padded_ids(tails, R, P, self.device)
+        offset_RP = torch.arange(P, device=self.device).expand(R, P)
+        pos_RP = torch.where(offset_RP < lengths[:, None], starts_R[:, None] + offset_RP, -1)
+        width = pick(max(a + n for a, n in zip(starts, sizes)), self.widths)
+        keep = sorted(set(n - 1 for n in sizes))
+        logits = self._forward(ids_RP, pos_RP, width, row_index=slots, logits_to_keep=to_device(keep, self.device))
+        if self.taps is not None:
+            self.taps.outputs.clear()  # nothing reads a continuation's features
+        at = {last: i for i, last in enumerate(keep)}
+        pick_R = to_device([at[n - 1] for n in sizes], self.device)
+        logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
+        return choose(logits_RV, (starts_R + lengths)[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
+
     def capture_prefill(self, rows: int, width: int) -> None:
         """Capture the prefill graph of `rows` rows (a row bucket) padded to `width` (a width
         bucket), ahead of its first use: a dummy one-token prompt in slots 0..rows-1, whose

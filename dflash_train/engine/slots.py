@@ -71,13 +71,16 @@ class SlotDecoder:
 
     `overlap` (default): each step launches the next decode step before it reads the tokens of
     the one before (module docstring; on CPU it changes nothing but the order of the work).
+    `continue_turns`: a request under a finished one's key goes on in the row that holds its keys,
+    first in, prefilling only what is new (Continuations): the tokens of prefilling it whole.
     `seconds` counts where the host's time goes: refills (`prefill_s`: the prefill forward and
     its first tokens), queueing decode steps (`launch_s`), blocked on the GPU for a step's
     tokens (`wait_s`) and booking them (`book_s`: outputs, stop and budget checks, rows leaving);
     the rest of a caller's wall time is the caller's own."""
 
     def __init__(self, steps: TargetSteps, rows: int | None = None, *, stop_ids: Iterable[int] = (),
-                 refill: int | None = None, prefill_tokens: int = PREFILL_TOKENS, overlap: bool = True) -> None:
+                 refill: int | None = None, prefill_tokens: int = PREFILL_TOKENS, overlap: bool = True,
+                 continue_turns: bool = False) -> None:
         self.steps = steps
         self.device = steps.device
         rows = steps.cache.rows if rows is None else min(int(rows), steps.cache.rows)
@@ -103,9 +106,18 @@ class SlotDecoder:
         self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
         self.pos_R = torch.zeros(0, dtype=torch.long, device=self.device)
         self.seed_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        # continue_turns: a finished request's slot keeps the keys of its prompt and answer until
+        # another request takes the slot; a request added under the same key whose prompt starts
+        # with those ids continues there (Continuations).
+        self.continued = Continuations() if continue_turns else None
         self.ahead: _Launched | None = None  # the step launched and not yet read
         self.generated = 0  # new tokens so far (prefill tokens included)
         self.seconds = {"prefill_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "book_s": 0.0}
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens not prefilled: their keys were kept in the slot from the turn before."""
+        return self.continued.reused if self.continued is not None else 0
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -128,7 +140,11 @@ class SlotDecoder:
         if rid >= len(self.where):
             self.where = np.concatenate([self.where, np.full(len(self.where), -1, dtype=np.int64)])
         self.keys[rid] = key
-        self.pending.append((rid, prompt, int(max_new_tokens), int(seed)))
+        request = (rid, prompt, int(max_new_tokens), int(seed))
+        if self.continued is not None and self.continued.holds(key):
+            self.pending.appendleft(request)  # first in: before another request takes the row it goes on in
+        else:
+            self.pending.append(request)
 
     @property
     def busy(self) -> bool:
@@ -146,18 +162,18 @@ class SlotDecoder:
         if not self.pending or free <= 0 or (live and free < min(self.refill, len(self.pending))):
             return []
         began = time.perf_counter()
-        holes = np.flatnonzero(self.rid_S[:self.used] < 0).tolist() + list(range(self.used, self.max_rows))
         window = sorted((self.pending.popleft() for _ in range(min(free, len(self.pending)))),
                         key=lambda t: t[1].numel())
-        groups, group = [], []
-        for t in window:  # ascending length: a group's longest prompt is its last
-            if group and (len(group) + 1) * t[1].numel() > self.prefill_tokens:
-                groups.append(group)
-                group = []
-            group.append(t)
-        groups.append(group)
-        chosen = np.array(holes[: len(window)], dtype=np.int64)
-        used = max(self.used, int(chosen[-1]) + 1)
+        going_on, fresh = (self.continued.take(window, self.keys, self.rid_S) if self.continued is not None
+                           else ([], window))
+        taken = {slot for _, slot, _ in going_on}
+        holes = [h for h in np.flatnonzero(self.rid_S[:self.used] < 0).tolist() + list(range(self.used, self.max_rows))
+                 if h not in taken]
+        window = fresh + [t for t, _, _ in going_on]
+        chosen = np.array(holes[: len(fresh)] + [slot for _, slot, _ in going_on], dtype=np.int64)
+        if self.continued is not None:
+            self.continued.forget(chosen[: len(fresh)])  # their kept keys are overwritten now
+        used = max(self.used, int(chosen.max()) + 1)
         if used > self.used:  # grow the per-slot tensors (new slots start as holes)
             grow = used - self.used
             self.token_R = torch.cat([self.token_R, self.token_R.new_zeros(grow)])
@@ -165,18 +181,24 @@ class SlotDecoder:
             self.seed_R = torch.cat([self.seed_R, self.seed_R.new_zeros(grow)])
             self.used = used
         lengths = np.array([t[1].numel() for t in window], dtype=np.int64)
+        starts = [0] * len(fresh) + [start for _, _, start in going_on]
         # Queued behind a step in flight, if any: that step's writes to these slots (rows it
         # decoded once past their end) land first, and the prompts overwrite them.
-        firsts, at = [], 0
-        for group in groups:
-            part = slice(at, at + len(group))
-            at += len(group)
+        firsts = []
+        sizes = [len(t[1]) - a for t, a in zip(window, starts)]
+        for part in refill_forwards(sizes, len(fresh), self.prefill_tokens):
+            group = window[part]
             slots, seeds = self._to_device(chosen[part]), self._to_device([t[3] for t in group])
-            first, _ = self.steps.prefill(slots, [t[1] for t in group], seeds, features=False)
+            if part.start < len(fresh):
+                first, _ = self.steps.prefill(slots, [t[1] for t in group], seeds, features=False)
+            else:
+                first = self.steps.extend(slots, [t[1][a:] for t, a in zip(group, starts[part])], starts[part], seeds)
             self.token_R[slots] = first
             self.pos_R[slots] = self._to_device(lengths[part])
             self.seed_R[slots] = seeds
             firsts.append(first)
+        if self.continued is not None:
+            self.continued.started(window)
         rids = np.array([t[0] for t in window], dtype=np.int64)
         self.rid_S[chosen] = rids
         self.where[rids] = chosen
@@ -199,7 +221,10 @@ class SlotDecoder:
             leaving = slots[ended]
             for slot, stop in zip(leaving.tolist(), stopped[ended].tolist()):
                 rid = int(self.rid_S[slot])
-                done.append(Finished(self.keys.pop(rid), self.out_SC[slot, : self.n_S[slot]].tolist(), stop))
+                key, output = self.keys.pop(rid), self.out_SC[slot, : self.n_S[slot]]
+                done.append(Finished(key, output.tolist(), stop))
+                if self.continued is not None:  # the keys of the prompt and of every output token but the last
+                    self.continued.keep(key, slot, rid, output[:-1])
             self.where[self.rid_S[leaving]] = -1  # a step in flight may still decode them: its tokens are dropped
             self.rid_S[leaving] = -1
             self.num_live -= len(leaving)
@@ -220,6 +245,8 @@ class SlotDecoder:
         if moved.any():  # queued behind a step in flight: its writes move with the rows
             src, dst = self._to_device(live[moved]), self._to_device(np.flatnonzero(moved))
             self.steps.cache.move_rows(src, dst)
+            if self.continued is not None:
+                self.continued.forget(np.flatnonzero(moved))
         for a in (self.rid_S, self.pos_S, self.budget_S, self.n_S, self.out_SC):
             a[:k] = a[live]
         self.rid_S[k: self.used] = -1
@@ -277,3 +304,87 @@ class SlotDecoder:
         """Step until every added request finished, yielding them as they finish."""
         while self.busy:
             yield from self.step()
+
+
+def refill_forwards(sizes: list[int], split: int, cap: int) -> list[slice]:
+    """A refill's rows in consecutive runs, one forward each: the first `split` are prefills, the
+    rest continuations (each part in ascending order of the tokens it writes); a run closes
+    before its padded tokens (its rows times its last, longest size) would pass `cap`."""
+    parts, begin = [], 0
+    for i, n in enumerate(sizes):
+        if i > begin and (i == split or (i - begin + 1) * n > cap):
+            parts.append(slice(begin, i))
+            begin = i
+    return parts + ([slice(begin, len(sizes))] if sizes else [])
+
+
+def common_prefix(prompt: torch.Tensor, kept: torch.Tensor) -> int:
+    """How many first ids of `prompt` equal `kept`'s, at most all but its last (a prefill must
+    leave at least one token to choose the next from). A row's key at position p depends on its
+    ids up to p alone, so that many kept keys are the prompt's own even where the two differ later
+    (an answer cut mid-word is tokenized again otherwise in the next prompt's text)."""
+    n = min(kept.numel(), prompt.numel() - 1)
+    if n <= 0:
+        return 0
+    same = prompt[:n].cpu() == kept[:n]
+    return n if bool(same.all()) else int(same.to(torch.int8).argmin())
+
+
+class Continuations:
+    """The keys a finished request left in its slot, until another request takes the slot: by
+    request key, (slot, the ids whose keys the slot holds: its prompt and every output token but
+    the last, which no step has fed yet). A cache row's key at position p is a function of its ids
+    up to p alone, so a new request whose prompt shares a first part with those ids can go on from
+    there in that slot: only the rest of its prompt is prefilled (TargetSteps.extend), from the
+    position where the shared part ends. A multi-turn conversation's next prompt is its last one,
+    the answer and the next user turn. Keys must be hashable."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[object, tuple[int, torch.Tensor]] = {}
+        self.key_of: dict[int, object] = {}  # slot -> the key kept there
+        self.prompts: dict[int, torch.Tensor] = {}  # request id -> its prompt, while it runs
+        self.reused = 0  # prompt tokens whose keys were kept instead of prefilled again
+
+    def started(self, requests: list) -> None:
+        """Requests (rid, prompt, budget, seed) given rows."""
+        for t in requests:
+            self.prompts[t[0]] = t[1]
+
+    def keep(self, key, slot: int, rid: int, output: np.ndarray) -> None:
+        """Request `rid` (under `key`) finished in `slot`, whose keys are its prompt's and `output`'s."""
+        self.forget([slot])
+        old = self.by_key.pop(key, None)
+        if old is not None:
+            self.key_of.pop(old[0], None)
+        prompt = self.prompts.pop(rid)
+        self.by_key[key] = (slot, torch.cat([prompt.cpu(), torch.from_numpy(output.copy())]))
+        self.key_of[slot] = key
+
+    def holds(self, key) -> bool:
+        return key in self.by_key
+
+    def forget(self, slots) -> None:
+        """The slots' kept keys are (about to be) overwritten."""
+        for slot in np.asarray(slots).tolist():
+            key = self.key_of.pop(slot, None)
+            if key is not None:
+                del self.by_key[key]
+
+    def take(self, window: list, keys: dict, rid_S: np.ndarray) -> tuple[list, list]:
+        """Split refill requests (rid, prompt, budget, seed) into those that go on in their key's
+        kept slot, as (request, slot, kept length), and the rest; the kept entries they use are
+        dropped."""
+        going_on, fresh = [], []
+        for t in window:
+            kept = self.by_key.get(keys[t[0]])
+            if kept is not None:
+                slot, ids = kept
+                self.forget([slot])
+                n = common_prefix(t[1], ids) if rid_S[slot] < 0 else 0
+                if n:
+                    going_on.append((t, slot, n))
+                    self.reused += n
+                    continue
+            fresh.append(t)
+        going_on.sort(key=lambda g: g[0][1].numel() - g[2])  # by the length still to prefill, as refills go
+        return going_on, fresh
