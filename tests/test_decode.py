@@ -540,6 +540,20 @@ def test_captured_slot_decoder_equals_eager(cuda_target):
 
 
 @gpu
+def test_continued_turns_on_the_gpu_equal_whole_prefills(cuda_target):
+    """On CUDA in float32, with captured steps and varlen or masked attention in the decode steps:
+    the next turns that continue in their rows (an eager forward over the position mask) get the
+    tokens of prefilling them whole."""
+    openings = prompts([5, 40, 3, 18, 27, 9], seed=6)
+    runs, kept = [], []
+    for keep, attention in ((False, "auto"), (True, "auto"), (True, "masked")):
+        slots = SlotDecoder.for_model(cuda_target, 4, 256, refill=1, attention=attention, continue_turns=keep)
+        runs.append(converse(slots, openings, turns=3, budget=10))
+        kept.append(slots.reused_tokens)
+    assert runs[0] == runs[1] == runs[2] and kept[0] == 0 < kept[1] == kept[2]
+
+
+@gpu
 def test_queued_steps_never_wait_for_the_gpu_but_to_read_tokens(cuda_target, monkeypatch):
     """With a decode step in flight, the slot decoder's host work (booking, rows leaving,
     compaction, the next step's launch) must not synchronize with the GPU: a blocking copy to
