@@ -24,10 +24,14 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
     monkeypatch.setattr(recipe, "run_recipe", lambda plan: plans.append(plan) or 0)
     monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: configs.append(cfg))
     assert cli.main(["train"]) == 0
-    assert plans == [Recipe()] and configs == []
+    # The bundled target given alone: the plan of `train target.path=bundled:smollm2-135m-instruct`.
+    assert plans == [Recipe.own_data("bundled:smollm2-135m-instruct", "cuda", "runs/default-gpu")] and configs == []
+    assert plans[0].target_prompts == recipe.OWN_DATA_TARGET_PROMPTS and plans[0].steps == recipe.OWN_DATA_STEPS
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("dflash-train train: the embedded default on a GPU: the quality recipe")
-    assert "6,000 bundled ShareGPT conversations" in first and "train.device=cpu" in first
+    assert first.startswith("dflash-train train: the embedded default on a GPU: bundled:smollm2-135m-instruct "
+                            "given alone")
+    assert "10,000 conversations of its own" in first and "6,000 bundled ShareGPT conversations" in first
+    assert "runs/default-gpu/target-data" in first and "train.device=cpu" in first
     assert cli.main(["train", "--output-dir", str(tmp_path / "mine")]) == 0
     assert plans[-1].output_dir == str(tmp_path / "mine")
     # Any override or config is a run of the user's own: the recipe does not replace it.

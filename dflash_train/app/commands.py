@@ -66,7 +66,7 @@ def run_train(args) -> int:
     overrides describe."""
     overrides = list(args.overrides)
     if args.config is None and not overrides and gpu_default_applies():
-        plan = recipe.Recipe(**({"output_dir": args.output_dir} if args.output_dir else {}))
+        plan = recipe.gpu_default(args.output_dir)
         print(recipe.notice(plan), flush=True)
         return recipe.run_recipe(plan)
     own = own_data_plan(args) if args.config is None else None
@@ -99,8 +99,9 @@ def own_data_plan(args) -> recipe.Recipe | None:
 
 
 def gpu_default_applies() -> bool:
-    """The embedded default runs the quality recipe (recipe.Recipe) where a CUDA GPU is
-    visible and the process is not one rank of several (torchrun keeps the smoke-sized run)."""
+    """The embedded default runs the recipe on the bundled target's own data (recipe.gpu_default)
+    where a CUDA GPU is visible and the process is not one rank of several (torchrun keeps the
+    smoke-sized run)."""
     return torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
@@ -109,8 +110,8 @@ def embedded_default_notice(cfg) -> str:
     return (f"dflash-train train: the embedded default, a smoke-sized run ({cfg.drafter.num_layers}-layer drafter, "
             f"block {cfg.drafter.block_size}, {cfg.train.max_steps} steps on the bundled ShareGPT for "
             f"{cfg.target.path}): it checks the install end to end and does not make a drafter that accelerates "
-            f"(served tau about 1.04); on a machine with a CUDA GPU the same command runs the quality recipe instead; "
-            f"see README 'The quality run' (scripts/quality_run.sh)")
+            f"(served tau about 1.04); on a machine with a CUDA GPU the same command runs the recipe on data the "
+            f"bundled target makes itself instead (README 'The two commands')")
 
 
 def run_export(args) -> int:
