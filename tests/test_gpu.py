@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, losses, random_packed_row, subprocess_env, tiny_target_config
+from dflash_train.bench.harness import build_run
 from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.core.loss import LossSettings, block_loss
 from dflash_train.core.masks import build_attention_masks, build_layout, sample_anchors, step_generator
@@ -609,3 +610,18 @@ def test_bench_tiny_under_torchrun_on_two_gpus(mode, tmp_path):
     if mode == "disaggregated":
         assert report["transfer_bytes_per_step"] > 0 and report["transfer_gbytes_per_s"] > 0
         assert report["target_stage_s"]["target"] > 0
+
+
+def test_a_sharded_drafter_is_gathered_on_the_gpu_for_evaluation_and_on_the_cpu_for_export():
+    """train.fsdp in one process on the GPU: the whole drafter for the walk is on the GPU, the one an
+    export writes is on the CPU (no second whole drafter on a GPU still holding the run), with the
+    same float32 weights."""
+    run, _ = build_run("tiny", ["train.fsdp=true", "train.device=cuda"])
+    try:
+        walked, exported = run.step.whole_drafter(), run.step.whole_drafter(on_device=False)
+        assert {p.device.type for p in walked.parameters()} == {"cuda"}
+        assert {p.device.type for p in exported.parameters()} == {"cpu"}
+        for (name, a), (_, b) in zip(walked.state_dict().items(), exported.state_dict().items()):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a.cpu(), b), name
+    finally:
+        run.step.sharding.close()

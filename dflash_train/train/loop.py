@@ -552,7 +552,8 @@ def export_result(run: Run, stop: Stop | None) -> Path | None:
     the run; a signal leaves the checkpoints to resume from."""
     if stop is Stop.SIGNAL:
         return run.out / "checkpoints"
-    drafter = run.step.whole_drafter()  # train.fsdp: gathered on the leader, every drafter rank taking part
+    # train.fsdp: gathered on the leader's CPU, every drafter rank taking part (no whole copy on its GPU)
+    drafter = run.step.whole_drafter(on_device=False)
     if not run.dist.is_leader:
         return None
     best = run.best.step if run.best is not None else None

@@ -101,16 +101,18 @@ class Sharding:
                 gathered[name] = full.cpu()
         return gathered if keep else None
 
-    def whole_drafter(self, drafter, keep: bool) -> DFlashDrafter | None:
-        """A plain drafter with the gathered weights (float32, on this rank's device) where
-        `keep`, for evaluation and export; None elsewhere. A collective of every drafter rank."""
+    def whole_drafter(self, drafter, keep: bool, on_device: bool = True) -> DFlashDrafter | None:
+        """A plain drafter with the gathered weights (float32; on this rank's device for
+        evaluation, on its CPU without `on_device`: an export, which writes from the CPU, holds no
+        second whole drafter on a GPU still full of the run) where `keep`; None elsewhere. A
+        collective of every drafter rank."""
         state = self.gather(drafter, keep)
         if state is None:
             return None
         with torch.device("meta"):
             copy = DFlashDrafter(drafter.config)
         copy.load_state_dict(state, assign=True)
-        return copy.to(self.device, torch.float32)
+        return copy.to(self.device if on_device else "cpu", torch.float32)
 
     def close(self) -> None:
         """Destroy the process group made for one process (other groups are Dist's)."""

@@ -242,10 +242,10 @@ class DrafterStep:
         self.dist.all_reduce_drafters(grads + [totals], f"waiting for the gradient all-reduce of step {step}")
         return totals[0], totals[1], totals[2]
 
-    def whole_drafter(self):
+    def whole_drafter(self, on_device: bool = True):
         """The drafter with all its weights, for evaluation and export: the drafter itself, or
-        when sharded a plain copy gathered on the leader (None on the other drafter ranks; a
-        collective every drafter rank calls)."""
+        when sharded a plain copy gathered on the leader, on its device or, without `on_device`,
+        its CPU (None on the other drafter ranks; a collective every drafter rank calls)."""
         if self.sharding is None:
             return self.drafter
-        return self.sharding.whole_drafter(self.drafter, self.dist.is_leader)
+        return self.sharding.whole_drafter(self.drafter, self.dist.is_leader, on_device)
