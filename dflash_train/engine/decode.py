@@ -260,12 +260,11 @@ class TargetSteps:
         padded shapes, so the same numbers (Graphs.buckets_small_steps). Larger prefills
         (regeneration's refills), and every prefill on CPU, run eagerly at their own length."""
         R, P = len(prompts), max(len(p) for p in prompts)
-        # Host values go to the device without a blocking copy (one would wait for every step
-        # queued before this prefill: slots.SlotDecoder keeps a decode step in flight).
-        sizes = [len(p) for p in prompts]
-        lengths = to_device(sizes, self.device)
         Rb = pick(R, self.rows)
         if self.graphs.buckets_small_steps and Rb <= PREFILL_GRAPH_ROWS and P <= self.widths[-1]:
+            # Host values go to the device without a blocking copy (one would wait for every step
+            # queued before this prefill: slots.SlotDecoder keeps a decode step in flight).
+            lengths = to_device([len(p) for p in prompts], self.device)
             Pb = pick(P, self.widths)
             ids_RP = _padded_ids(prompts, Rb, Pb, self.device)
             last_R = torch.cat([lengths - 1, lengths.new_full((Rb - R,), -1)])
@@ -279,17 +278,8 @@ class TargetSteps:
             # Copied out: a graph's outputs are rewritten by its next replay, and by the replay of
             # a graph captured before it into the same pool.
             return first[:R].clone(), (feats[0][:R].clone() if feats and features else None)
-        ids_RP = _padded_ids(prompts, R, P, self.device)
-        pos_RP = torch.arange(P, device=self.device).expand(R, P)
-        pos_RP = torch.where(pos_RP <= (lengths - 1)[:, None], pos_RP, -1)  # padding: written to the trash column
-        # The lm_head only at the distinct last positions: never [R, P, V] logits at once.
-        keep = sorted(set(n - 1 for n in sizes))
-        logits = self._forward(ids_RP, pos_RP, P, row_index=slots, logits_to_keep=to_device(keep, self.device),
-                               causal=not has_sliding_layers(self.model.config))
-        at = {last: i for i, last in enumerate(keep)}
-        pick_R = to_device([at[n - 1] for n in sizes], self.device)
-        logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
-        first_R = choose(logits_RV, lengths[:, None], seeds_R, self.temperature, self.top_p)[:, 0]
+        causal = not has_sliding_layers(self.model.config)
+        first_R = self._eager_rows(slots, prompts, [0] * R, seeds_R, P, causal=causal)
         feats = self.taps.features() if self.taps is not None else None
         return first_R, (feats if features else None)
 
@@ -299,17 +289,30 @@ class TargetSteps:
         one eager forward over the position mask of the columns up to the longest row's end.
         Returns the first new token of each row [R], chosen at its last position as a prefill of
         the whole prompt chooses it (same position, same seed)."""
+        width = pick(max(a + len(t) for a, t in zip(starts, tails)), self.widths)
+        first_R = self._eager_rows(slots, tails, starts, seeds_R, width, causal=False)
+        if self.taps is not None:
+            self.taps.outputs.clear()  # nothing reads a continuation's features
+        return first_R
+
+    def _eager_rows(self, slots, tails: list[torch.Tensor], starts: list[int], seeds_R, width: int, causal: bool):
+        """One eager forward of rows into slots `slots`: each row's `tails[i]` at positions
+        starts[i]..starts[i] + len - 1 (right-padded: a padding token writes to the trash column
+        and no real query sees it), reading `width` columns (`causal`: a prefill from position 0,
+        attended with no mask tensor). Returns each row's next token [R], chosen at the position
+        after its last."""
         R, P = len(tails), max(len(t) for t in tails)
+        # Host values go to the device without a blocking copy (one would wait for every step
+        # queued before this forward: slots.SlotDecoder keeps a decode step in flight).
         sizes = [len(t) for t in tails]
         starts_R, lengths = to_device(starts, self.device), to_device(sizes, self.device)
         ids_RP = _padded_ids(tails, R, P, self.device)
         offset_RP = torch.arange(P, device=self.device).expand(R, P)
         pos_RP = torch.where(offset_RP < lengths[:, None], starts_R[:, None] + offset_RP, -1)
-        width = pick(max(a + n for a, n in zip(starts, sizes)), self.widths)
+        # The lm_head only at the distinct last offsets: never [R, P, V] logits at once.
         keep = sorted(set(n - 1 for n in sizes))
-        logits = self._forward(ids_RP, pos_RP, width, row_index=slots, logits_to_keep=to_device(keep, self.device))
-        if self.taps is not None:
-            self.taps.outputs.clear()  # nothing reads a continuation's features
+        logits = self._forward(ids_RP, pos_RP, width, row_index=slots, logits_to_keep=to_device(keep, self.device),
+                               causal=causal)
         at = {last: i for i, last in enumerate(keep)}
         pick_R = to_device([at[n - 1] for n in sizes], self.device)
         logits_RV = logits[torch.arange(R, device=self.device), pick_R][:, None]
