@@ -29,13 +29,13 @@ from dflash_train.bench.memory import (
     meta_counted,
     plan_layouts,
     plan_memory,
-    target_config_of,
     worst_case_micro_batch,
 )
 from dflash_train.bench.workloads import WORKLOADS, target_config, workload_config
 from dflash_train.core.config import load_config
 from dflash_train.core.drafter import DFlashDrafter, build_drafter_config, count_parameters
 from dflash_train.core.errors import InputError
+from dflash_train.core.target import target_config_of
 
 # Published config.json values (the fields that set the parameter count).
 LLAMA_3_1_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,

@@ -33,17 +33,15 @@ from dflash_train.bench.memory import (
     plan_layouts,
     plan_summary,
     refusal,
-    target_config_of,
     worst_case_micro_batch,
 )
-from dflash_train.bench.harness import workload_target_config
 from dflash_train.bench.training import format_report, run_bench
-from dflash_train.bench.workloads import workload_config
+from dflash_train.bench.workloads import workload_settings
 from dflash_train.core.config import ConfigError, load_config
 from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, output_file_problem, problems_of
 from dflash_train.core.export import check_export_folder, export_drafter
-from dflash_train.core.target import resolve_target_path
+from dflash_train.core.target import resolve_target_path, target_config_of
 from dflash_train.data import target_prompts
 from dflash_train.data.chat_files import DataError
 from dflash_train.data.preparation import no_samples, prepare
@@ -239,9 +237,14 @@ def run_eval(args) -> int:
     return 0
 
 
+def shaped_overrides(args) -> list[str]:
+    """A bench workload's overrides, with `--target DIR` as `target.path=DIR`: its random target
+    takes that folder's shape (workloads.workload_settings)."""
+    return [*args.overrides, *([f"target.path={args.target}"] if args.target else [])]
+
+
 def run_bench_cli(args) -> int:
-    if args.target:  # a training workload on a random target of this folder's shape
-        args.overrides = [*args.overrides, f"target.path={args.target}"]
+    overrides = shaped_overrides(args)
     output = Path(args.output) if args.output else None
     summary = None
     if args.profile and world_size() > 1:
@@ -251,7 +254,7 @@ def run_bench_cli(args) -> int:
         raise ConfigError([f"--output {output}: {problem}"])
     if args.profile:
         summary = (output.parent if output else Path(".")) / f"bench-{args.workload}-kernels.txt"
-    report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=args.overrides,
+    report = run_bench(args.workload, steps=args.steps, warmup=args.warmup, overrides=overrides,
                        drafter_only=args.drafter_only, profile=args.profile_steps, profile_summary=summary,
                        peak_tflops=args.peak_tflops)
     if report is None:  # a rank other than 0 under torchrun: rank 0 reports
@@ -381,9 +384,7 @@ def plan_settings(args):
     if problems:
         raise InputError("; ".join(problems))
     if args.workload:  # with --target: the workload's settings and batches on that target's shape
-        overrides = [*args.overrides, *([f"target.path={args.target}"] if args.target else [])]
-        config = workload_target_config(args.workload, overrides)
-        return workload_config(args.workload, overrides, shape=config), config
+        return workload_settings(args.workload, shaped_overrides(args))
     cfg = load_config(args.config, list(args.overrides), base={})
     setting = "--target" if args.target else "target.path"
     return cfg, target_config_of(args.target or cfg.target.path, setting)
@@ -391,10 +392,9 @@ def plan_settings(args):
 
 def named_layout(args, cfg) -> Layout | None:
     """The layout the options name (--target-tp, --target-ranks, --fsdp) or the settings do
-    (topology.mode=disaggregated, topology.target_tp, train.fsdp, where this version has them);
-    None: plan every layout."""
-    tp = args.target_tp or int(getattr(cfg.topology, "target_tp", 1) or 1)
-    fsdp = args.fsdp or bool(getattr(cfg.train, "fsdp", False))
+    (topology.mode=disaggregated, topology.target_tp, train.fsdp); None: plan every layout."""
+    tp = args.target_tp or cfg.topology.target_tp
+    fsdp = args.fsdp or cfg.train.fsdp
     ranks = args.target_ranks or (cfg.topology.num_target_ranks if cfg.topology.mode == "disaggregated" else None)
     if args.target_tp is None and ranks is None and tp == 1 and not fsdp:
         return None

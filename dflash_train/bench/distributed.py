@@ -19,7 +19,7 @@ import torch.distributed as tdist
 
 from dflash_train.bench.flops import WorkCounter, peak_flops
 from dflash_train.bench.harness import build_run, compiled_graph_count, step_flops, warm_up_steps
-from dflash_train.bench.workloads import WORKLOADS, synthetic_dataset, workload_config
+from dflash_train.bench.workloads import WORKLOADS, synthetic_dataset, workload_settings
 from dflash_train.core.devices import synchronize
 from dflash_train.train.dist import Dist
 from dflash_train.train.loop import batch_plan, drain, take_step, train_target, warm_up
@@ -44,7 +44,7 @@ def run_bench_distributed(workload: str, steps: int | None, warmup: int | None, 
     say = log if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     wl = WORKLOADS[workload]
     started = time.perf_counter()
-    cfg = workload_config(workload, overrides)
+    cfg, _ = workload_settings(workload, overrides)
     d = Dist.from_env(cfg.topology, cfg.train.device)
     if warmup is None:  # one epoch: every bucket shape seen on every rank
         lengths = synthetic_dataset(wl, cfg.drafter.mask_token_id, cfg.train.seed)["length"]

@@ -9,15 +9,13 @@ import time
 import torch
 
 from dflash_train.bench.flops import Shape, WorkCount, useful_flops
-from dflash_train.bench.memory import target_config_of
 from dflash_train.bench.workloads import (
     WORKLOADS,
     RandomFeatureTarget,
     Workload,
     build_random_target,
     synthetic_dataset,
-    target_config,
-    workload_config,
+    workload_settings,
 )
 from dflash_train.core.config import runs_whole_target
 from dflash_train.core.devices import resolve_device, resolve_dtype, synchronize
@@ -64,8 +62,7 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
     with `drafter_only`. Returns it and the target's transformers config. `dist`: this rank's
     dist.Dist when the caller made it already."""
     wl = WORKLOADS[workload]
-    config = workload_target_config(workload, overrides)
-    cfg = workload_config(workload, overrides, drafter_only, config)
+    cfg, config = workload_settings(workload, overrides, drafter_only)
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
     seed = cfg.train.seed
@@ -78,13 +75,6 @@ def build_run(workload: str, overrides: list[str], drafter_only: bool = False, l
     run = build(cfg, log=log, target_config=config, build_target=target, build_heads=heads,
                 dataset=synthetic_dataset(wl, cfg.drafter.mask_token_id, seed), checkpointing=False, dist=dist)
     return run, config
-
-
-def workload_target_config(workload: str, overrides: list[str]):
-    """The transformers config of a bench's random target: the shape of the folder the last
-    `target.path=DIR` override names, else the workload's own."""
-    given = [item.split("=", 1)[1] for item in overrides if item.startswith("target.path=")]
-    return target_config_of(given[-1]) if given else target_config(WORKLOADS[workload])
 
 
 def step_flops(run, config, work: WorkCount, target_ran: bool = True) -> dict[str, float]:

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from dflash_train.bench.flops import Shape
 from dflash_train.bench.workloads import WORKLOADS, synthetic_dataset
@@ -35,7 +35,7 @@ from dflash_train.core.config import Config, ConfigError, runs_whole_target
 from dflash_train.core.drafter import default_target_layer_ids
 from dflash_train.core.errors import InputError
 from dflash_train.core.masks import anchor_count, padded_anchor_count
-from dflash_train.core.target import resolve_target_path, tensor_parallel_problems
+from dflash_train.core.target import tensor_parallel_problems
 from dflash_train.data.batching import PAD_MULTIPLE, BatchStream
 from dflash_train.train.loop import batch_plan
 
@@ -58,25 +58,6 @@ TIGHT = 0.9  # a plan above this share of the usable memory is "tight"
 
 
 # --------------------------------------------------------------------------- shapes
-
-
-def target_config_of(path: str, setting: str = "target.path"):
-    """The transformers config of a target: a folder's config.json alone (no tokenizer or weights
-    needed, checked as every command checks a target: core/target.py resolve_target_path), or a
-    bundled target's (converted on first use)."""
-    folder = resolve_target_path(path, setting, weights=False, tokenizer=False)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (ValueError, OSError, KeyError) as err:  # transformers' words for a config it cannot read
-        raise InputError(f"{setting} {path}: its config.json does not load ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}): copy it from the model again") from err
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if not isinstance(getattr(text, f, None), int)]
-    if missing:
-        raise InputError(f"{setting} {path}: its config.json lacks {', '.join(missing)}: the planner counts "
-                         f"decoder language models (Llama, Mistral, Qwen, Mixtral families and alike)")
-    return config
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from datasets.table import InMemoryTable
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_train.core.config import ConfigError, load_config
-from dflash_train.core.target import Target
+from dflash_train.core.target import Target, target_config_of
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -166,6 +166,16 @@ class RandomFeatureTarget:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed_weight)
+
+
+def workload_settings(workload: str, overrides: list[str], drafter_only: bool = False):
+    """(the run's settings, the transformers config of its random target): the workload's
+    settings plus `overrides`, and its target's shape, or the shape of the folder that a
+    `target.path=DIR` override names (its config.json alone is read)."""
+    given = [item.split("=", 1)[1] for item in overrides if item.startswith("target.path=")]
+    shape = target_config_of(given[-1]) if given else None
+    cfg = workload_config(workload, overrides, drafter_only, shape)
+    return cfg, shape if shape is not None else target_config(WORKLOADS[workload])
 
 
 def workload_config(workload: str, overrides: list[str], drafter_only: bool = False, shape=None):

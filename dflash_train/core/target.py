@@ -362,6 +362,25 @@ def load_target(path: str, device: torch.device, dtype: str, layer_ids: list[int
     return Target(model, layer_ids, labels), tokenizer
 
 
+def target_config_of(path: str, setting: str = "target.path"):
+    """The transformers config of a target: a folder's config.json alone (no tokenizer or weights
+    needed, checked as every command checks a target: resolve_target_path), or a bundled target's
+    (converted on first use); refused in one line where it is not a decoder language model's."""
+    folder = resolve_target_path(path, setting, weights=False, tokenizer=False)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, KeyError) as err:  # transformers' words for a config it cannot read
+        raise InputError(f"{setting} {path}: its config.json does not load ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}): copy it from the model again") from err
+    text = config.get_text_config()
+    missing = [f for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if not isinstance(getattr(text, f, None), int)]
+    if missing:
+        raise InputError(f"{setting} {path}: its config.json lacks {', '.join(missing)}: the planner and the bench "
+                         f"read decoder language models (Llama, Mistral, Qwen, Mixtral families and alike)")
+    return config
+
+
 class TargetHeads:
     """The target's frozen embedding and lm_head without its layers: what a drafter rank of a
     disaggregated run needs. Read from the checkpoint's safetensors files by name, so the
