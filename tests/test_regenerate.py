@@ -231,9 +231,9 @@ def test_output_does_not_depend_on_rows_or_refill_order(tmp_path, tiny_target):
 
 
 def test_next_turns_continue_in_their_rows_and_write_what_whole_prefills_write(tmp_path, tiny_target):
-    """By default a conversation's next turn is prefilled from where its last one ended (the keys
-    of the prompt and answer kept in its row); the records are those of prefilling every prompt
-    whole (--no-continue-turns), greedy and sampled, and the summary counts the kept tokens."""
+    """With --continue-turns a conversation's next turn is prefilled from where its last one ended
+    (the keys of the prompt and answer kept in its row); the records are those of prefilling every
+    prompt whole (the default), greedy and sampled, and the summary counts the kept tokens."""
     src = write_jsonl(tmp_path / "in.jsonl", SHAREGPT + OPENAI)
     for temperature in (0.0, 1.0):
         texts, kept = [], []

@@ -183,7 +183,7 @@ def run_regenerate(args) -> int:
                                       top_p=args.top_p, batch_size=args.batch_size,
                                       max_prompt_length=args.max_prompt_length, device=args.device, seed=args.seed,
                                       limit=args.limit, workers=args.workers, graphs=not args.no_graphs,
-                                      overlap=not args.no_overlap, continue_turns=not args.no_continue_turns,
+                                      overlap=not args.no_overlap, continue_turns=args.continue_turns,
                                       max_record_bytes=args.max_record_bytes)
         serving = ServingOptions(tuple(args.server), concurrency=args.concurrency, model=args.server_model,
                                  timeout=args.timeout, retries=args.retries) if args.server else None

@@ -94,7 +94,7 @@ class RegenerationOptions:
     workers: int = 1
     graphs: bool = True
     overlap: bool = True
-    continue_turns: bool = True
+    continue_turns: bool = False
     window: int | None = None
     limit: int | None = None
     progress_every_s: float = 10.0

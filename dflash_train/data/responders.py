@@ -37,7 +37,7 @@ class Decoding:
     rows: int = 1
     graphs: bool = True
     overlap: bool = True
-    continue_turns: bool = True
+    continue_turns: bool = False
 
     @property
     def positions(self) -> int:
