@@ -13,6 +13,7 @@ import pytest
 
 from dflash_train.app import cli, commands, recipe
 from dflash_train.app.recipe import Recipe
+from dflash_train.core.config import load_config
 from dflash_train.data import sources
 
 TINY = "bundled:tiny-random-llama"
@@ -227,6 +228,14 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert own.output_dir == "runs/models-Qwen3-8B" and own.data_root() == Path("runs/models-Qwen3-8B/target-data")
     assert own.target_prompts > 0 and own.budget_s == recipe.OWN_DATA_BUDGET_S
     assert own.target_prompt_path().parent == own.data_root() == own.regenerated_path().parent
+    # its drafter is deeper than the quality recipe's, every other training setting the same
+    cfg = load_config(None, own.train_overrides([path]))
+    assert cfg.drafter.num_layers == recipe.OWN_DATA_DRAFTER_LAYERS == 8
+    assert load_config(None, Recipe().train_overrides([path])).drafter.num_layers == 5
+    assert [a for a in own.train_args if not a.startswith("drafter.num_layers=")] == \
+        [a for a in recipe.QUALITY_TRAIN_ARGS if not a.startswith("drafter.num_layers=")]
+    with pytest.raises(ValueError):
+        recipe.replaced(recipe.QUALITY_TRAIN_ARGS, "drafter.no_such_key=1")
 
 
 def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_memory():

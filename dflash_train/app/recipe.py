@@ -64,6 +64,10 @@ OWN_DATA_BUDGET_S = 1800.0
 # ... and its schedule: 4,300 steps walked 5.18 on the validation split where 3,300 walked 4.77, on the
 # same data (docs/QUALITY.md, a target given alone)
 OWN_DATA_STEPS = 4300
+# ... and its drafter's depth: 8 layers walked 6.05 at step 4,000 where 5 walked 5.10 (3 layers: 4.29), on
+# the same data, split and schedule; a batch-1 cycle costs 1.633 target steps against 1.475, so 8 layers
+# pays above 5.73 (docs/QUALITY.md, a target given alone)
+OWN_DATA_DRAFTER_LAYERS = 8
 # A target given alone on a CPU: the smoke-sized drafter of config.EMBEDDED_DEFAULT.
 CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512", "data.token_budget=2048",
                                    "data.max_batch_size=16", "objective.num_anchors=16", "optim.lr=1e-3",
@@ -126,7 +130,8 @@ class Recipe:
         if device == "cuda":
             return cls(target=target, target_prompts=OWN_DATA_TARGET_PROMPTS, output_dir=out,
                        data_dir=f"{out}/target-data", steps=OWN_DATA_STEPS, max_time_s=1e9,
-                       budget_s=budget_s or OWN_DATA_BUDGET_S)
+                       budget_s=budget_s or OWN_DATA_BUDGET_S,
+                       train_args=replaced(QUALITY_TRAIN_ARGS, f"drafter.num_layers={OWN_DATA_DRAFTER_LAYERS}"))
         return cls(target=target, records=16, target_prompts=8, prompt_max_candidates=64, max_new_tokens=32,
                    max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
                    data_dir=f"{out}/target-data", steps=12, max_time_s=budget_s or 1e9, validation=4, eval_every=6,
@@ -181,6 +186,14 @@ class Recipe:
                 f"train.device={self.device}", f"data.validation={self.validation}", f"eval.every={self.eval_every}",
                 "eval.prompts=null", f"log.every={log_every}", f"checkpoint.every={self.eval_every}",
                 "checkpoint.keep=1", "checkpoint.keep_best=true"]
+
+
+def replaced(args: tuple[str, ...], override: str) -> tuple[str, ...]:
+    """`args` (section.key=value overrides) with the one of `override`'s key replaced by it."""
+    key = override.split("=", 1)[0]
+    if not any(arg.split("=", 1)[0] == key for arg in args):
+        raise ValueError(f"{override}: no {key} in {args}")
+    return tuple(override if arg.split("=", 1)[0] == key else arg for arg in args)
 
 
 def _slug(text: str) -> str:
