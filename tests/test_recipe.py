@@ -256,6 +256,64 @@ def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_mem
     assert recipe.regen_rows(plan, 2 * 40 * per_row, config) == 40
 
 
+def shape_folder(tmp_path, name: str, config: dict) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_the_recipe_fits_its_batches_to_the_gpu_before_any_data_is_made(monkeypatch, tmp_path):
+    """The recipe's batches were chosen for SmolLM2: for a target given alone whose worst-case
+    step (the memory planner's) does not fit the GPU, the token budget is lowered to the largest
+    that fits, samples with it, and grad_accum raised to keep a step's tokens, said in a line;
+    SmolLM2's plan is unchanged on an 80 GB GPU; a target no batch fits is refused before
+    anything is made or written."""
+    from transformers import AutoConfig
+
+    from dflash_train.bench.memory import Layout, Planner
+    from dflash_train.core.errors import InputError
+    from dflash_train.core.target import resolve_target_path, target_config_of
+    from dflash_train.data.batching import PAD_MULTIPLE
+    from test_plan import LLAMA_3_1_8B, LLAMA_3_3_70B
+
+    said: list[str] = []
+    smol = Recipe.own_data("bundled:smollm2-135m-instruct", "cuda")
+    smol_config = AutoConfig.from_pretrained(resolve_target_path(smol.target))
+    assert recipe.fitted_to_gpu(smol, smol_config, 80.0, said.append) is smol and said == []
+    on_40 = load_config(None, list(recipe.fitted_to_gpu(smol, smol_config, 40.0, said.append).train_args))
+    assert 8192 < on_40.data.token_budget < 16384 and on_40.train.grad_accum == 2 and len(said) == 1
+
+    folder = shape_folder(tmp_path, "llama-8b", LLAMA_3_1_8B)
+    config, big = target_config_of(folder), Recipe.own_data(folder, "cuda")
+    fitted = recipe.fitted_to_gpu(big, config, 80.0, said.append)
+    cfg = load_config(None, list(fitted.train_args))
+    budget = cfg.data.token_budget
+    assert budget == cfg.data.max_length < 2048 and budget % PAD_MULTIPLE == 0
+    assert cfg.train.grad_accum * budget >= 16384 > (cfg.train.grad_accum - 1) * budget
+    assert cfg.drafter.num_layers == 8 and cfg.objective.num_anchors == 512  # nothing else changed
+    planner = Planner.of(config, cfg, gpu_memory_gib=80.0)
+    assert planner.plan(Layout(gpus=1)).fits  # the largest that fits: one step more would not
+    larger = load_config(None, [*fitted.train_args, f"data.token_budget={budget + PAD_MULTIPLE}",
+                                f"data.max_length={budget + PAD_MULTIPLE}"])
+    assert not Planner.of(config, larger, gpu_memory_gib=80.0).plan(Layout(gpus=1)).fits
+    assert f"micro-batches of {budget:,} tokens" in said[-1] and f"{cfg.train.grad_accum} to a step" in said[-1]
+
+    # run_recipe fits them before the data stage (which gets the fitted plan), and refuses a 70B
+    # target with nothing written
+    monkeypatch.setattr(recipe.torch.cuda, "mem_get_info", lambda: (79 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(recipe, "resolve_target_path", lambda path, *a, **k: Path(path))  # config.json alone
+    seen = []
+    monkeypatch.setattr(recipe, "make_data", lambda plan, *a: seen.append(plan) or None)
+    assert recipe.run_recipe(replace(big, output_dir=str(tmp_path / "run8")), log=said.append) == recipe.INTERRUPTED
+    assert load_config(None, list(seen[0].train_args)).data.token_budget == budget
+    huge = Recipe.own_data(shape_folder(tmp_path, "llama-70b", LLAMA_3_3_70B), "cuda", str(tmp_path / "run70"))
+    with pytest.raises(InputError) as err:
+        recipe.run_recipe(huge, log=said.append)
+    assert "does not fit this GPU" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run70").exists() and len(seen) == 1
+
+
 @pytest.mark.slow
 def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     """Regenerate 6 conversations, train 4 steps (validation walked every 2), serve 2 records of

@@ -23,22 +23,25 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import math
 import multiprocessing
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import yaml
 from transformers import AutoConfig
 
+from dflash_train.bench.memory import Layout, Planner, largest_fitting, refusal
 from dflash_train.core.assets import cache_root, sharegpt_json
 from dflash_train.core.config import load_config
 from dflash_train.core.errors import INTERRUPTED, InputError
 from dflash_train.core.target import resolve_target_path
 from dflash_train.data import regenerate, sources, target_prompts
+from dflash_train.data.batching import PAD_MULTIPLE
 from dflash_train.data.chat_files import DataError
 from dflash_train.engine.decode import kv_bytes_per_row
 from dflash_train.eval import evaluate, results
@@ -213,6 +216,37 @@ def check_gpu_memory(total_bytes: int) -> None:
             f"scripts/quality_run.sh with a lower data.token_budget added to its TRAIN_ARGS (README 'The quality run')")
 
 
+def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Recipe:
+    """`plan` with its training batches fitted to one GPU of `gpu_memory_gib` for a target of
+    `target_config`, before any data is made: unchanged where the memory planner's worst case
+    (bench/memory.py) fits; else data.token_budget lowered to the largest that fits (data.max_length
+    with it where it must) and train.grad_accum raised to keep the tokens of a step, said in a
+    line; an InputError naming what would fit where nothing does. The recipe's batches were
+    chosen for SmolLM2-135M; a larger target given alone would otherwise fail at its first step."""
+    cfg = load_config(None, list(plan.train_args))
+    planner, layout = Planner.of(target_config, cfg, gpu_memory_gib=gpu_memory_gib), Layout(gpus=1)
+    memory = planner.plan(layout)
+    if memory.fits:
+        return plan
+    # Smaller micro-batches, several to a step: the gradients are held between them, searched so
+    accumulating = replace(cfg, train=replace(cfg.train, grad_accum=max(2, cfg.train.grad_accum)))
+    budget = largest_fitting(replace(planner, cfg=accumulating), layout, "data", "token_budget", PAD_MULTIPLE)
+    if budget is None:
+        raise InputError(f"the recipe's training does not fit this GPU for {plan.target}: "
+                         f"{refusal(planner, memory)}; train with a config of your own (README 'Your target, your "
+                         f"data') or on more GPUs")
+    accum = cfg.train.grad_accum * math.ceil(cfg.data.token_budget / budget)
+    args = replaced(plan.train_args, f"data.token_budget={budget}")
+    if budget < cfg.data.max_length:
+        args = replaced(args, f"data.max_length={budget}")
+    args = (*args, f"train.grad_accum={accum}")
+    log(f"dflash-train train: the recipe's {cfg.data.token_budget:,}-token batches would take "
+        f"{memory.peak / 2**30:.0f} GiB of this {gpu_memory_gib:.0f} GiB GPU at worst for {plan.target}; it trains "
+        f"micro-batches of {budget:,} tokens{f' (samples up to {budget:,})' if budget < cfg.data.max_length else ''}, "
+        f"{accum} to a step")
+    return replace(plan, train_args=args)
+
+
 def regen_rows(plan: Recipe, free_bytes: int, config) -> int:
     """Rows the regeneration decodes at once: plan.regen_batch_size, or fewer (a multiple of 64)
     where their key/value caches would take more than half of the free GPU memory."""
@@ -262,7 +296,9 @@ def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
     if plan.device == "cuda":
         free, total = torch.cuda.mem_get_info()
         check_gpu_memory(total)
-        rows = regen_rows(plan, free, AutoConfig.from_pretrained(resolve_target_path(plan.target)))
+        target_config = AutoConfig.from_pretrained(resolve_target_path(plan.target))
+        plan = fitted_to_gpu(plan, target_config, total / 2**30, log)
+        rows = regen_rows(plan, free, target_config)
     deadline = started + plan.data_share * plan.budget_s if plan.budget_s else None
     files = data_of_run_in_progress(plan, log) or make_data(plan, rows, deadline, log)
     if files is None:
