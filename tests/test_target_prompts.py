@@ -102,6 +102,29 @@ def test_records_are_whole_conversations_in_order_that_the_reader_and_regenerati
     assert prepared.report["num_samples"] == 8
 
 
+def test_the_last_chunks_write_only_the_candidates_the_records_still_needed_take(tmp_path, writer_target,
+                                                                                  monkeypatch):
+    """After a first full chunk, a chunk is sized to the records still needed at the rate kept so
+    far (with a margin): the records are those of full chunks, and fewer candidates are written."""
+    from dflash_train.data import target_prompts
+
+    assert target_prompts.chunk_size(2048, 5000, 0, 0) == 2048  # nothing known yet: a full chunk
+    assert target_prompts.chunk_size(2048, 5000, 910, 1000) == 2048
+    assert target_prompts.chunk_size(2048, 670, 9330, 10240) == 862  # 670 x 10,240 / 9,330 x 1.15 = 845.6, + 16
+    assert target_prompts.chunk_size(2048, 1, 10, 10) == 18
+    tried = []
+    monkeypatch.setattr(target_prompts, "MARGIN_CANDIDATES", 0)  # chunks of 16 candidates here
+    real = target_prompts.Writer.candidates
+    monkeypatch.setattr(target_prompts.Writer, "candidates",
+                        lambda self, first, count: tried.append(count) or real(self, first, count))
+    sized = run(tmp_path / "sized.jsonl", writer_target, limit=14)
+    sized_tried, tried[:] = sum(tried), []
+    monkeypatch.setattr(target_prompts, "chunk_size", lambda full, *a: full)
+    whole = run(tmp_path / "whole.jsonl", writer_target, limit=14)
+    assert sized == whole and len(sized) == 14
+    assert sized_tried < sum(tried), (sized_tried, tried)
+
+
 def test_a_stopped_run_resumes_to_the_records_of_an_uninterrupted_one(tmp_path, writer_target):
     whole = run(tmp_path / "whole.jsonl", writer_target, limit=7)
     part = tmp_path / "part.jsonl"

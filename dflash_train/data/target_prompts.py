@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -55,6 +56,10 @@ REFUSAL = re.compile(r"^\W*(i'?m sorry|i am sorry|sorry[,.!]|i apologi[sz]e|i ca
                      r"answer|comply)|i cannot|i'?m (?:not able|unable)|i am (?:not able|unable)|as an ai\b|"
                      r"as a language model|certainly[,!.]|sure[,!]|of course[,!]|here is |here's )", re.IGNORECASE)
 PROGRESS_EVERY_S = 30.0
+# The last chunks: candidates for the records still needed at the rate kept so far, times KEEP_MARGIN,
+# plus MARGIN_CANDIDATES (a chunk that falls short is followed by another)
+KEEP_MARGIN = 1.15
+MARGIN_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -432,11 +437,21 @@ def responders(model, tokenizer, options: TargetPromptOptions) -> tuple[LocalRes
     return LocalResponder(model, tokenizer, sampled), LocalResponder(model, tokenizer, greedy)
 
 
+def chunk_size(full: int, need: int, kept: int, tried: int) -> int:
+    """Candidates in the next chunk: a full one (four engine batches) until the candidates tried
+    so far tell how many a kept record takes, then no more than the records still needed take,
+    with a margin (KEEP_MARGIN): the last chunk no longer writes up to a whole chunk of
+    conversations only to cut them off. Which candidates are kept does not depend on it."""
+    if kept <= 0 or tried <= 0:
+        return full
+    return max(1, min(full, math.ceil(need * tried / kept * KEEP_MARGIN) + MARGIN_CANDIDATES))
+
+
 def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log) -> dict:
-    """Candidates in chunks of four engine batches until `limit` records are kept; a chunk's
-    records are appended as it finishes (a stop loses at most the chunk in flight)."""
+    """Candidates in chunks (chunk_size) until `limit` records are kept; a chunk's records are
+    appended as it finishes (a stop loses at most the chunk in flight)."""
     options, counts = writer.options, writer.counts
-    chunk, started, shown = 4 * options.batch_size, time.perf_counter(), time.perf_counter()
+    full, started, shown = 4 * options.batch_size, time.perf_counter(), time.perf_counter()
     give_up = options.max_candidates or max(1000, 20 * options.limit)  # a target that writes nothing usable
     while counts["kept"] < options.limit:
         if options.deadline is not None and time.time() >= options.deadline:
@@ -446,7 +461,9 @@ def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log
             raise DataError(f"{SOURCE}: {counts['kept']} of {counts['candidates']:,} conversations kept; the target "
                             f"writes too few usable turns ({drop_summary(counts)}): try another --temperature / "
                             f"--top-p or a larger --max-prompt-tokens")
-        written, need = writer.write(writer.candidates(first, chunk), dedup), options.limit - counts["kept"]
+        need = options.limit - counts["kept"]
+        chunk = chunk_size(full, need, counts["kept"], counts["candidates"])
+        written = writer.write(writer.candidates(first, chunk), dedup)
         kept = written[:need]
         append_records(out, [record_of(c, options.seed) for c in kept])
         counts["kept"] += len(kept)
