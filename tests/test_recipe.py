@@ -6,6 +6,7 @@ served tau printed last)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,6 +169,113 @@ def test_a_failed_or_stopped_prompt_writer_costs_nothing(tmp_path, monkeypatch):
     assert asked == [6] and len(plan.source_prompts("word-problems", 6).read_text().splitlines()) == 6
 
 
+def own_conversations(plan, rows, deadline, log):
+    """recipe._target_prompts as the tests see it: the file it writes names the rows it had."""
+    path = plan.target_prompt_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{{"own": {rows}}}\n')
+    return path
+
+
+def own_aside(plan, rows, deadline):
+    """recipe.write_own_aside with own_conversations in its place (spawned: imported from here)."""
+    own_conversations(plan, max(1, rows // 2), deadline, print)
+
+
+def own_aside_failing(plan, rows, deadline):
+    raise SystemExit(1)
+
+
+def test_the_targets_own_conversations_written_aside_are_those_written_in_turn(tmp_path, monkeypatch):
+    """With own_aside (a GPU plan's default for a small target) the target's own conversations come
+    from a process of their own while the run's process answers the chats and the sources at half
+    its rows: the same file, in the same place of the training files; a process that failed
+    leaves the run's process to write them."""
+    def regenerate_up_to(plan, data, out, want, rows, *args):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f'{{"rows": {rows}}}\n')
+        return False
+
+    monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
+    monkeypatch.setattr(recipe, "_target_prompts", own_conversations)
+    made = {}
+    for how, work in (("in-turn", None), ("aside", own_aside), ("failed", own_aside_failing)):
+        plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / how)), own_aside=work is not None)
+        if work is not None:
+            monkeypatch.setattr(recipe, "write_own_aside", work)
+        said: list[str] = []
+        files = recipe.make_data(plan, 8, None, said.append)
+        made[how] = ([path.relative_to(tmp_path / how) for path in files], plan.target_prompt_path().read_text(),
+                     plan.regenerated_path().read_text(), said)
+    assert made["aside"][:2] == made["failed"][:2] == made["in-turn"][:2]
+    assert made["in-turn"][0][1] == Path("target-data") / plan.target_prompt_path().name  # after the chats
+    assert made["in-turn"][1] == '{"own": 4}\n'  # two engines of half the rows, however they were written
+    assert made["in-turn"][2] == '{"rows": 8}\n' and made["aside"][2] == made["failed"][2] == '{"rows": 4}\n'
+    assert any("the process writing the target's own conversations failed (exit status 1)" in line
+               for line in made["failed"][3])
+
+
+def start(context, target, *args):
+    process = context.Process(target=target, args=args)
+    process.start()
+    return process
+
+
+def test_a_signal_while_the_own_conversations_are_waited_for_stops_them(tmp_path):
+    """SIGTERM while the run's process waits for the own conversations' process: the wait ends
+    (the run stops, 130) and that process is stopped with the other writers."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    own = start(multiprocessing.get_context("spawn"), time.sleep, 60)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    began = time.monotonic()
+    assert recipe._waited_for(own) is False and time.monotonic() - began < 30
+    recipe.stop_prompt_writers({"own": own})
+    assert not own.is_alive()
+
+
+def orphan(pid_file: str) -> None:
+    """A writer's process whose parent is killed: it ends with it (recipe._end_with_parent)."""
+    import time
+
+    recipe._end_with_parent()
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+ORPHANED = """import multiprocessing, os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_recipe import orphan
+if __name__ == "__main__":
+    multiprocessing.get_context("spawn").Process(target=orphan, args=(sys.argv[2],)).start()
+    while not Path(sys.argv[2]).is_file() or not Path(sys.argv[2]).read_text():
+        time.sleep(0.05)
+    os._exit(0)  # killed: no cleanup runs, the writer is not stopped
+"""
+
+
+def test_a_writer_ends_when_the_run_is_killed_before_it_could_stop_it(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    script, pid_file = tmp_path / "orphaned.py", tmp_path / "pid"
+    script.write_text(ORPHANED)
+    subprocess.run([sys.executable, str(script), str(Path(__file__).parent), str(pid_file)], env=subprocess_env(),
+                   check=True, timeout=120)
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and b"Z" not in Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1][:3]:
+        assert time.monotonic() < deadline, "the writer outlived its killed parent"
+        time.sleep(0.2)
+
+
 def test_a_rerun_of_a_run_in_progress_trains_on_the_data_it_started_with(tmp_path, monkeypatch):
     """A run folder with checkpoints: the rerun makes no data (a stage stopped at the budget
     would go on and change the data) and resumes on the files its config.yaml names."""
@@ -307,11 +415,16 @@ def test_the_recipe_fits_its_batches_to_the_gpu_before_any_data_is_made(monkeypa
     monkeypatch.setattr(recipe, "make_data", lambda plan, *a: seen.append(plan) or None)
     assert recipe.run_recipe(replace(big, output_dir=str(tmp_path / "run8")), log=said.append) == recipe.INTERRUPTED
     assert load_config(None, list(seen[0].train_args)).data.token_budget == budget
+    assert seen[0].own_aside  # no weights in this folder: its own conversations are written aside
+    with open(Path(folder) / "model.safetensors", "wb") as weights:
+        weights.truncate(3 * 2**30)  # sparse: two copies would take 6 of the GPU's 80 GiB
+    assert recipe.run_recipe(replace(big, output_dir=str(tmp_path / "run8b")), log=said.append) == recipe.INTERRUPTED
+    assert not seen[1].own_aside
     huge = Recipe.own_data(shape_folder(tmp_path, "llama-70b", LLAMA_3_3_70B), "cuda", str(tmp_path / "run70"))
     with pytest.raises(InputError) as err:
         recipe.run_recipe(huge, log=said.append)
     assert "does not fit this GPU" in str(err.value) and "\n" not in str(err.value)
-    assert not (tmp_path / "run70").exists() and len(seen) == 1
+    assert not (tmp_path / "run70").exists() and len(seen) == 2
 
 
 @pytest.mark.slow

@@ -25,8 +25,11 @@ import gc
 import hashlib
 import math
 import multiprocessing
+import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +42,7 @@ from dflash_train.bench.memory import Layout, Planner, largest_fitting, refusal
 from dflash_train.core.assets import cache_root, sharegpt_json
 from dflash_train.core.config import load_config
 from dflash_train.core.errors import INTERRUPTED, InputError
+from dflash_train.core.signals import StopFlag
 from dflash_train.core.target import resolve_target_path
 from dflash_train.data import regenerate, sources, target_prompts
 from dflash_train.data.batching import PAD_MULTIPLE
@@ -76,6 +80,9 @@ CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512"
                                    "data.max_batch_size=16", "objective.num_anchors=16", "optim.lr=1e-3",
                                    "train.anchor_multiple=16")
 MIN_GPU_GIB = 32.0  # above the recipe's training peak (docs/QUALITY.md)
+# The target's own conversations are written beside the other data stages where two copies of its
+# weights take at most this share of the GPU's memory (SmolLM2-135M: 0.3 GB, Qwen2.5-0.5B: 1 GB)
+OWN_ASIDE_WEIGHT_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,12 @@ class Recipe:
     """The offline sources' prompts written in processes of their own while the target makes the
     chats (CPU work: python-packages parses docstrings for about a minute); False: each source's
     stage writes its own, in turn."""
+    own_aside: bool = True
+    """The target's own conversations written by a process of its own (its own copy of the target)
+    while this one answers the chats and the sources at half its rows: each stage is bound by its
+    process's host work, so side by side they take little more than the longer one. Only where two
+    copies of the target's weights take at most OWN_ASIDE_WEIGHT_SHARE of the GPU (run_recipe);
+    False: in turn."""
 
     @classmethod
     def own_data(cls, target: str, device: str, output_dir: str | None = None,
@@ -139,7 +152,7 @@ class Recipe:
                    max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
                    data_dir=f"{out}/target-data", steps=12, max_time_s=budget_s or 1e9, validation=4, eval_every=6,
                    train_args=CPU_TRAIN_ARGS, eval_limit=2, eval_max_new_tokens=16, speedup_turns=1, workers=1,
-                   eval_batch_size=2, device="cpu", prompts_aside=False)
+                   eval_batch_size=2, device="cpu", prompts_aside=False, own_aside=False)
 
     def data_root(self) -> Path:
         """Where the data is made: beside a `regenerated` file given, else `data_dir`, else the
@@ -299,6 +312,8 @@ def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
         target_config = AutoConfig.from_pretrained(resolve_target_path(plan.target))
         plan = fitted_to_gpu(plan, target_config, total / 2**30, log)
         rows = regen_rows(plan, free, target_config)
+        if plan.own_aside and 2 * weight_bytes(resolve_target_path(plan.target)) > OWN_ASIDE_WEIGHT_SHARE * total:
+            plan = replace(plan, own_aside=False)
     deadline = started + plan.data_share * plan.budget_s if plan.budget_s else None
     files = data_of_run_in_progress(plan, log) or make_data(plan, rows, deadline, log)
     if files is None:
@@ -342,35 +357,43 @@ def data_of_run_in_progress(plan: Recipe, log) -> list[Path] | None:
 def make_data(plan: Recipe, rows: int, deadline: float | None, log) -> list[Path] | None:
     """The training files: the chats regenerated, the target's own conversations, the prompt
     sources regenerated, each resumed; a stage past `deadline` keeps what it made. None when a
-    signal stopped a stage. The sources' prompts are written aside meanwhile (plan.prompts_aside)."""
+    signal stopped a stage. The sources' prompts are written aside meanwhile (plan.prompts_aside),
+    and so are the target's own conversations (plan.own_aside)."""
     writers = start_prompt_writers(plan)
+    own = start_own_writer(plan, rows, deadline) if plan.own_aside and plan.target_prompts else None
     try:
-        return _make_data(plan, rows, deadline, log, writers)
+        return _make_data(plan, rows, deadline, log, writers, own)
     finally:
-        stop_prompt_writers(writers)
+        stop_prompt_writers(writers if own is None else {**writers, "own": own})
 
 
 def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
-               writers: dict[str, multiprocessing.Process]) -> list[Path] | None:
+               writers: dict[str, multiprocessing.Process],
+               own: multiprocessing.Process | None) -> list[Path] | None:
     files = []
+    stage_rows = rows if own is None else max(1, rows // 2)  # the own conversations' engines hold the rest
     if plan.records:
         path = plan.regenerated_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        if _regenerate_up_to(plan, plan.data or sharegpt_json(), path, plan.records, rows, "conversations", deadline,
-                             log):
+        if _regenerate_up_to(plan, plan.data or sharegpt_json(), path, plan.records, stage_rows, "conversations",
+                             deadline, log):
             return None
         files.append(path)
-    if plan.target_prompts and not _past(deadline, "the target's own conversations", log):
+    if own is None and plan.target_prompts and not _past(deadline, "the target's own conversations", log):
         _release()
         files.append(_target_prompts(plan, max(1, rows // 2), deadline, log))
     for name, count in plan.sources:
         if _past(deadline, f"the {name} prompts", log):
             continue
         _release()
-        answered = _regenerate_source(plan, name, count, rows, deadline, log, writers.get(name))
+        answered = _regenerate_source(plan, name, count, stage_rows, deadline, log, writers.get(name))
         if answered is None:
             return None
         files.append(answered)
+    if own is not None:
+        if not _waited_for(own):
+            return None
+        files.insert(1 if plan.records else 0, _own_written_aside(plan, rows, deadline, log, own))
     files = [path for path in files if path is not None and path.is_file() and path.stat().st_size]
     if not files:
         raise InputError(f"no training data was made for {plan.target} (see the lines above); give data.paths, or "
@@ -466,6 +489,76 @@ def write_prompts_aside(name: str, path: str, count: int) -> None:
         sources.write_source(name, path, limit=count)
     except Exception:  # said by the stage that writes them again in the run's process
         sys.exit(1)
+
+
+def start_own_writer(plan: Recipe, rows: int, deadline: float | None) -> multiprocessing.Process:
+    """A spawned process writing the target's own conversations (_target_prompts, resumed) on two
+    engines of rows // 2 rows each, with the run's deadline; its lines go to the same output."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=write_own_aside, args=(plan, rows, deadline), name="dflash-train own conversations")
+    process.start()
+    return process
+
+
+def write_own_aside(plan: Recipe, rows: int, deadline: float | None) -> None:
+    """The own conversations' process: exit status 0 when its stage ran (what it wrote is resumed
+    by any later run), 1 when it failed (the run's process then writes them itself and says why).
+    A signal to the run stops it through stop_prompt_writers; an interrupt typed at the terminal
+    reaches the run's process, which stops it the same way."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with_parent()
+    try:
+        if not _past(deadline, "the target's own conversations", print):
+            _target_prompts(plan, max(1, rows // 2), deadline, print)
+    except Exception:  # said again by the run's process, which writes them itself
+        sys.exit(1)
+
+
+def _end_with_parent() -> None:
+    """This process ends once the process that started it is gone (one killed before it could stop
+    its writers): a thread watching the parent's pid. What it wrote is whole records, resumed later."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dflash-train parent watch", daemon=True).start()
+
+
+def _waited_for(process: multiprocessing.Process) -> bool:
+    """`process` waited for; False when SIGTERM or SIGINT came first (the caller stops it)."""
+    flag = StopFlag().install() if threading.current_thread() is threading.main_thread() else None
+    try:
+        while process.is_alive():
+            if flag is not None and flag.requested:
+                return False
+            process.join(timeout=0.5)
+        return True
+    finally:
+        if flag is not None:
+            flag.restore()
+
+
+def _own_written_aside(plan: Recipe, rows: int, deadline: float | None, log,
+                       own: multiprocessing.Process) -> Path | None:
+    """The own conversations' file once their process ended; where it failed, written here."""
+    if own.exitcode == 0:
+        path = plan.target_prompt_path()
+        return path if path.is_file() else None
+    log(f"dflash-train train: the process writing the target's own conversations failed (exit status "
+        f"{own.exitcode}); they are written here")
+    if _past(deadline, "the target's own conversations", log):
+        return None
+    _release()
+    return _target_prompts(plan, max(1, rows // 2), deadline, log)
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
+    files = list(Path(folder).glob("*.safetensors")) or list(Path(folder).glob("*.bin"))
+    return sum(path.stat().st_size for path in files)
 
 
 def stop_prompt_writers(writers: dict[str, multiprocessing.Process]) -> None:
