@@ -241,7 +241,7 @@ def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Re
     memory = planner.plan(layout)
     if memory.fits:
         return plan
-    # Smaller micro-batches, several to a step: the gradients are held between them, searched so
+    # Several micro-batches to a step hold the gradients between them: the search counts them
     accumulating = replace(cfg, train=replace(cfg.train, grad_accum=max(2, cfg.train.grad_accum)))
     budget = largest_fitting(replace(planner, cfg=accumulating), layout, "data", "token_budget", PAD_MULTIPLE)
     if budget is None:
@@ -562,8 +562,9 @@ def weight_bytes(folder: Path) -> int:
 
 
 def stop_prompt_writers(writers: dict[str, multiprocessing.Process]) -> None:
-    """The writers still running (their stage was not reached: a budget or a signal) stopped;
-    their files are written atomically, so a stopped one leaves none."""
+    """The writers still running (their stage was not reached: a budget or a signal) stopped; a
+    prompt writer's file is written atomically, so a stopped one leaves none, and the own
+    conversations keep their whole records, which the next run resumes."""
     for writer in writers.values():
         if writer.is_alive():
             writer.terminate()
