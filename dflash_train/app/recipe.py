@@ -21,6 +21,7 @@ config.EMBEDDED_DEFAULT.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import math
@@ -507,9 +508,10 @@ def write_own_aside(plan: Recipe, rows: int, deadline: float | None) -> None:
     reaches the run's process, which stops it the same way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
+    log = functools.partial(print, flush=True)  # its lines as they come, not when the process ends
     try:
-        if not _past(deadline, "the target's own conversations", print):
-            _target_prompts(plan, max(1, rows // 2), deadline, print)
+        if not _past(deadline, "the target's own conversations", log):
+            _target_prompts(plan, max(1, rows // 2), deadline, log)
     except Exception:  # said again by the run's process, which writes them itself
         sys.exit(1)
 
