@@ -310,10 +310,11 @@ def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
     if plan.device == "cuda":
         free, total = torch.cuda.mem_get_info()
         check_gpu_memory(total)
-        target_config = AutoConfig.from_pretrained(resolve_target_path(plan.target))
+        folder = resolve_target_path(plan.target)
+        target_config = AutoConfig.from_pretrained(folder)
         plan = fitted_to_gpu(plan, target_config, total / 2**30, log)
         rows = regen_rows(plan, free, target_config)
-        if plan.own_aside and 2 * weight_bytes(resolve_target_path(plan.target)) > OWN_ASIDE_WEIGHT_SHARE * total:
+        if plan.own_aside and 2 * weight_bytes(folder) > OWN_ASIDE_WEIGHT_SHARE * total:
             plan = replace(plan, own_aside=False)
     deadline = started + plan.data_share * plan.budget_s if plan.budget_s else None
     files = data_of_run_in_progress(plan, log) or make_data(plan, rows, deadline, log)
@@ -380,9 +381,8 @@ def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
                              deadline, log):
             return None
         files.append(path)
-    if own is None and plan.target_prompts and not _past(deadline, "the target's own conversations", log):
-        _release()
-        files.append(_target_prompts(plan, max(1, rows // 2), deadline, log))
+    if own is None and plan.target_prompts:
+        files.append(_own_conversations(plan, rows, deadline, log))
     for name, count in plan.sources:
         if _past(deadline, f"the {name} prompts", log):
             continue
@@ -409,6 +409,15 @@ def _past(deadline: float | None, stage: str, log) -> bool:
         return False
     log(f"dflash-train train: the data's share of the budget is spent; {stage} are not made")
     return True
+
+
+def _own_conversations(plan: Recipe, rows: int, deadline: float | None, log) -> Path | None:
+    """The target's own conversations on two engines of rows // 2 rows each (_target_prompts),
+    in this process, unless the data's share of the budget is spent (None)."""
+    if _past(deadline, "the target's own conversations", log):
+        return None
+    _release()
+    return _target_prompts(plan, max(1, rows // 2), deadline, log)
 
 
 def _target_prompts(plan: Recipe, rows: int, deadline: float | None, log) -> Path | None:
@@ -510,9 +519,10 @@ def write_own_aside(plan: Recipe, rows: int, deadline: float | None) -> None:
     _end_with_parent()
     log = functools.partial(print, flush=True)  # its lines as they come, not when the process ends
     try:
-        if not _past(deadline, "the target's own conversations", log):
-            _target_prompts(plan, max(1, rows // 2), deadline, log)
-    except Exception:  # said again by the run's process, which writes them itself
+        _own_conversations(plan, rows, deadline, log)
+    except Exception as err:  # the run's process then writes them itself
+        log(f"dflash-train train: the target's own conversations failed in their process: {type(err).__name__}: "
+            f"{err}")
         sys.exit(1)
 
 
@@ -551,10 +561,7 @@ def _own_written_aside(plan: Recipe, rows: int, deadline: float | None, log,
         return path if path.is_file() else None
     log(f"dflash-train train: the process writing the target's own conversations failed (exit status "
         f"{own.exitcode}); they are written here")
-    if _past(deadline, "the target's own conversations", log):
-        return None
-    _release()
-    return _target_prompts(plan, max(1, rows // 2), deadline, log)
+    return _own_conversations(plan, rows, deadline, log)
 
 
 def weight_bytes(folder: Path) -> int:
