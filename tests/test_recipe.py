@@ -364,6 +364,28 @@ def test_a_gpu_too_small_for_the_recipe_is_refused_and_regeneration_fits_its_mem
     assert recipe.regen_rows(plan, 2 * 40 * per_row, config) == 40
 
 
+def test_the_recipes_served_evaluation_times_the_speedup_with_graphs_only(monkeypatch, tmp_path):
+    """serve() asks the evaluation for the plan's timed turns and no timing without CUDA graphs
+    (a diagnostic of the engine, about 30 s of a GPU run), writes eval.json and ends with the
+    served line."""
+    asked = {}
+    result = {"tau": 3.0, "speedup": 2.0, "per_set": {"mt-bench": {"tau": 3.0}}}
+
+    def evaluated(target, drafter, sets, **kwargs):
+        asked.update(kwargs, target=target, sets=sets)
+        return result
+
+    monkeypatch.setattr(recipe.evaluate, "evaluate", evaluated)
+    monkeypatch.setattr(recipe.results, "write_outputs", lambda result, path: [path])
+    monkeypatch.setattr(recipe.results, "markdown_summary", lambda result: "summary")
+    said: list[str] = []
+    plan = Recipe.own_data("bundled:smollm2-135m-instruct", "cuda")
+    recipe.serve(plan, tmp_path / "drafter", tmp_path, said.append)
+    assert asked["timing"].eager_turns == 0 and asked["timing"].speedup_turns == plan.speedup_turns > 0
+    assert asked["timing"].speedup and asked["sets"] == list(recipe.EVAL_SETS)
+    assert said == ["summary", f"wrote {tmp_path / 'eval.json'}", recipe.served_line(result, tmp_path / "drafter")]
+
+
 def shape_folder(tmp_path, name: str, config: dict) -> str:
     folder = tmp_path / name
     folder.mkdir()
