@@ -31,7 +31,7 @@ from dflash_train.core import locks
 from dflash_train.core.assets import tiny_random_target_dir
 from dflash_train.core.errors import BAD_INPUT
 from dflash_train.data import chat_files, preparation
-from dflash_train.train.step import cosine_with_warmup
+from dflash_train.train.step import LrSchedule
 
 TARGET = "bundled:tiny-random-llama"
 CHATS = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "an answer"}]}
@@ -294,7 +294,7 @@ def test_resume_refuses_a_change_it_cannot_continue_and_applies_the_others(tmp_p
     assert "resumed with changed settings, applied from step 2: optim.lr 0.01 -> 0.005, train.max_steps 2 -> 4" \
         in said, said
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert records[3]["lr"] == pytest.approx(0.005 * cosine_with_warmup(4, 0.1, 0.0)(3), rel=1e-9)
+    assert records[3]["lr"] == pytest.approx(0.005 * LrSchedule(4, 0.1, 0.0)(3), rel=1e-9)
     text = (out / "config.yaml").read_text()
     assert text.startswith("# resumed at step 2: ") and "optim.lr 0.01 -> 0.005" in text.splitlines()[0]
     assert yaml.safe_load(text)["optim"]["lr"] == 0.005

@@ -289,6 +289,82 @@ def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(t
         load_config(str(TINY), ["train.max_time_s=0"])
 
 
+def test_a_time_boxed_run_ends_its_schedule_where_its_time_runs_out(tmp_path, monkeypatch, capsys):
+    """train.max_time_s with 400 steps that cannot fit (the fit's steps scaled down 5 times): 10
+    steps into the run, the pace from step 2 on (1 s a step on a clock that moves one second a
+    step) says that 9 more steps fit 95% of the 10 s left, so the cosine ends at step 19, and the
+    run with it: its rate decayed, saved, exported, said. A run stopped by a signal at step 15 and
+    resumed keeps that end and the same rates."""
+    from types import SimpleNamespace
+
+    from dflash_train.train import control
+    from dflash_train.train.step import LrSchedule
+
+    clock = [0.0]
+    monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(control, "FIT_FROM_STEPS", 2)
+    monkeypatch.setattr(control, "FIT_AFTER_STEPS", 10)
+    agree = control.Control.agree
+
+    def one_second_a_step(self, step, result=None):
+        clock[0] += 1.0
+        return agree(self, step, result)
+
+    monkeypatch.setattr(control.Control, "agree", one_second_a_step)
+    overrides = ["train.max_steps=400", "train.max_time_s=20", "optim.warmup_ratio=0.01", "checkpoint.every=100"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_drafter(build(load_config(TINY, [f"output_dir={whole}", *overrides])))
+    said = capsys.readouterr().out
+    assert "the learning rate's schedule and the run now end at step 19 of 400" in said
+    assert "step 19: the end of the learning rate's schedule fitted to train.max_time_s=20" in said
+    records = {r["step"]: r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines())}
+    assert max(records) == 19 and (whole / "drafter" / "model.safetensors").is_file()
+    lr, fitted, planned = load_config(TINY).optim.lr, LrSchedule(400, 0.01, 0.0), LrSchedule(400, 0.01, 0.0)
+    fitted.end = 19
+    assert records[9]["lr"] == pytest.approx(lr * planned(9))  # the 400 steps' cosine until the fit
+    for n in (10, 14, 18):  # the rate of step n + 1, set after step 10 from the fitted end
+        assert records[n]["lr"] == pytest.approx(lr * fitted(n)) and records[n]["lr"] < 0.9 * lr * planned(n)
+    assert records[19]["lr"] == 0.0
+
+    first = build(load_config(TINY, [f"output_dir={resumed}", *overrides, "faults.sigterm_at_steps=[15]"]))
+    train_drafter(first)
+    assert first.steps_done == 15 and first.control.end == 19
+    clock[0] = 0.0
+    train_drafter(build(load_config(TINY, [f"output_dir={resumed}", *overrides])))
+    again = {r["step"]: r for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())}
+    assert max(again) == 19 and [again[n]["lr"] for n in range(9, 20)] == [records[n]["lr"] for n in range(9, 20)]
+
+
+def test_the_fit_to_time_takes_the_slowest_drafter_ranks_pace_and_gives_the_schedule_back(monkeypatch):
+    """Control.fit_to_time alone: the pace agreed over the drafter ranks is the slowest (max); a
+    later fit, at a faster pace, gives the schedule its own end back when its steps fit again;
+    without a time box or with train.fit_schedule_to_time=false nothing is fitted."""
+    from types import SimpleNamespace
+
+    from dflash_train.core.config import TrainSection
+    from dflash_train.train import control
+
+    clock = [0.0]
+    monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def slower_rank(tensors, what, op):  # another drafter rank at twice this one's pace
+        assert op == "max" and "pace" in what
+        tensors[0].mul_(2.0)
+
+    dist = SimpleNamespace(device=torch.device("cpu"), all_reduce_drafters=slower_rank)
+    fitted = control.Control(TrainSection(max_time_s=1000.0), dist, micro_per_step=1)
+    fitted.deadline = 1000.0
+    ends = {}
+    for step in range(1, 552):
+        clock[0] = step * (1.0 if step <= 50 else 0.25)  # 1 s a step, then 0.25 s (then 2 and 0.5 agreed)
+        ends[step] = fitted.fit_to_time(step, total_steps=700)
+    assert {s: e for s, e in ends.items() if e is not None} == {50: 50 + int(0.95 * 950 / 2.0), 550: 700}
+    assert fitted.end is None  # the schedule's own end again
+    for section in (TrainSection(), TrainSection(max_time_s=1000.0, fit_schedule_to_time=False)):
+        plain = control.Control(section, dist, micro_per_step=1)
+        assert all(plain.fit_to_time(step, 700) is None for step in range(1, 60)) and plain.end is None
+
+
 @pytest.mark.parametrize("options", [("objective.labels=distill", "topology.split_fc=true"),
                                      ("objective.weighting=dpace", "objective.dpace_alpha=0.3")])
 def test_objective_options_train_finite_and_resume_exactly(options, tmp_path, capsys):

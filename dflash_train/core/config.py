@@ -230,8 +230,12 @@ class TrainSection:
     """Stop after this many optimizer steps (default: the end of `epochs`)."""
     max_time_s: float | None = None
     """Wall-clock limit in seconds: the run ends (checkpoint, export) at the first step boundary
-    past it, counted from the start of this process's training loop. The learning-rate schedule
-    still follows max_steps (or epochs), so a run cut by time ends before its LR has decayed."""
+    past it, counted from the start of this process's training loop."""
+    fit_schedule_to_time: bool = True
+    """With max_time_s: where the steps left to the schedule (max_steps or epochs) will not fit
+    the time left, the learning rate's cosine is made to end, and the run with it, at the step the
+    time is measured to reach (after 50 steps of this process, again every 500), so a run cut by
+    time ends with its rate decayed. false: the schedule of max_steps, cut where time runs out."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     seed: int = 0

@@ -10,8 +10,10 @@ from the result, so all ranks stop after the same step:
   micro-batch order (whatever the topology): checkpoint of the last good state, then
   `TrainingStopped`;
 - train.max_time_s passed on any drafter rank, counted from the start of the loop: checkpoint
-  and export, at a step boundary.
-The counters are part of the checkpoint (global, the same on every rank).
+  and export, at a step boundary; or, with train.fit_schedule_to_time, the step the learning
+  rate's schedule was fitted to end at (`fit_to_time`): from the pace of this process's steps,
+  the slowest drafter rank's, the steps that fit the time left.
+The counters and the fitted end are part of the checkpoint (global, the same on every rank).
 """
 
 from __future__ import annotations
@@ -21,8 +23,17 @@ import math
 import time
 from typing import NamedTuple
 
+import torch
+
 from dflash_train.core.errors import FAILED, UserError
 from dflash_train.core.signals import StopFlag
+
+# The schedule's fit to train.max_time_s: the pace is measured from FIT_FROM_STEPS steps into
+# this process (compilation and warm-up left out), first fitted FIT_AFTER_STEPS steps in, then
+# every REFIT_EVERY steps (walks and checkpoint saves then in the pace), and the fitted steps may
+# take FIT_MARGIN of the time left.
+FIT_FROM_STEPS, FIT_AFTER_STEPS, REFIT_EVERY = 10, 50, 500
+FIT_MARGIN = 0.95
 
 
 class TrainingStopped(UserError, RuntimeError):
@@ -65,6 +76,9 @@ class Control:
         self.total_skipped = 0
         self.failure_streak = 0  # failed micro-batches in a row, in global index order
         self.stopping_skips = 0  # the streak that made this rank ask for a non-finite stop
+        self.end: int | None = None  # the step the schedule was fitted to end at (fit_to_time)
+        self.first_step: int | None = None  # this process's first step
+        self.paced_from: tuple[int, float] | None = None  # (step, clock) the pace is measured from
 
     def __enter__(self) -> "Control":
         self.flag.install()
@@ -94,7 +108,7 @@ class Control:
             self.stopping_skips = self.consecutive_skips  # a step counted after this may end the streak
         mine = Flags(signal=self.flag.requested is not None,
                      non_finite=drafter and self.consecutive_skips >= self.cfg.max_consecutive_skips,
-                     out_of_time=drafter and time.perf_counter() >= self.deadline,
+                     out_of_time=drafter and (time.perf_counter() >= self.deadline or self.at_end(step)),
                      last_trained=result.last_trained if drafter else -1)
         flags = Flags(*self.dist.agree(list(mine), f"waiting for the other ranks at the end of step {step}"))
         M = self.micro_per_step
@@ -109,6 +123,42 @@ class Control:
         if flags.signal:
             return Stop.SIGNAL
         return Stop.TIME if flags.out_of_time else None
+
+    def at_end(self, step: int) -> bool:
+        """Step `step` is the one the schedule was fitted to end at (or past it)."""
+        return self.end is not None and step >= self.end
+
+    def fit_to_time(self, step: int, total_steps: int) -> int | None:
+        """On every drafter rank after step `step` (a collective at the fitting steps): the step the
+        schedule now ends at when this call changed it, else None. Where the steps left to
+        `total_steps` will not fit the time left at the slowest drafter rank's pace, the end is
+        the last step that fits; where they fit again, the end is the schedule's."""
+        if not (self.cfg.fit_schedule_to_time and self.cfg.max_time_s):
+            return None
+        if self.first_step is None:
+            self.first_step = step
+        since = step - self.first_step + 1
+        if since == FIT_FROM_STEPS:
+            self.paced_from = (step, time.perf_counter())
+        if since < FIT_AFTER_STEPS or (since - FIT_AFTER_STEPS) % REFIT_EVERY or self.paced_from is None:
+            return None
+        now = time.perf_counter()
+        pace = torch.tensor([(now - self.paced_from[1]) / (step - self.paced_from[0])], dtype=torch.float64,
+                            device=self.dist.device)
+        self.dist.all_reduce_drafters([pace], f"waiting for the other drafter ranks' pace at step {step}", op="max")
+        fits = step + int(FIT_MARGIN * max(0.0, self.deadline - now) / max(pace.item(), 1e-9))
+        end = max(step + 1, fits) if fits < total_steps else None
+        if end == self.end:
+            return None
+        self.end = end
+        return total_steps if end is None else end
+
+    def resumed(self, steps_done: int) -> int | None:
+        """After a resume: the fitted end restored from the checkpoint while it lies ahead and this
+        run has a time box to fit (else the schedule's own end, None), for the step to apply."""
+        if not (self.cfg.fit_schedule_to_time and self.cfg.max_time_s) or (self.end or 0) <= steps_done:
+            self.end = None
+        return self.end
 
     def signalled_after_save(self, step: int) -> bool:
         """A signal that arrived during the save of `step` on any rank (a second agreement: a
@@ -133,12 +183,13 @@ class Control:
 
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "total_skipped": self.total_skipped,
-                "failure_streak": self.failure_streak}
+                "failure_streak": self.failure_streak, "end": self.end}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_skips = state["consecutive_skips"]
         self.total_skipped = state["total_skipped"]
         self.failure_streak = state["failure_streak"]
+        self.end = state.get("end")  # absent from checkpoints written before the schedule's fit
 
 
 class DeferredSkips:

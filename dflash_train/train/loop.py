@@ -462,6 +462,8 @@ def train_drafter(run: Run) -> Path | None:
                 stop = run.control.agree(n, result)
                 if stop is not None:
                     skips.flush()  # the state saved on a stop counts it
+                else:
+                    fit_schedule(run, n, sink)
                 # Not on a signal: the interval's sums are saved and the resumed run logs them.
                 if n % run.cfg.log.every == 0 or n == run.total_steps or stop not in (None, Stop.SIGNAL):
                     log_step(run, n, stop, sink)
@@ -472,9 +474,26 @@ def train_drafter(run: Run) -> Path | None:
     return export_result(run, stop)
 
 
+def fit_schedule(run: Run, n: int, sink) -> None:
+    """After step n, at the fitting steps (a collective of the drafter ranks): the learning rate's
+    schedule made to end where train.max_time_s will (Control.fit_to_time), and said."""
+    end = run.control.fit_to_time(n, run.total_steps)
+    if end is None:
+        return
+    run.step.end_schedule_at(end)
+    sink.end_at(end)
+    sink.event(f"train.max_time_s={run.cfg.train.max_time_s:g}: at this pace, the learning rate's schedule and the "
+               f"run now end at step {end} of {run.total_steps}" if end < run.total_steps else
+               f"train.max_time_s={run.cfg.train.max_time_s:g}: at this pace, the schedule's {run.total_steps} steps "
+               f"fit again")
+
+
 def begin(run: Run) -> None:
     """Resume where a checkpoint is, warm up, and write the run's config.yaml (the leader)."""
     resume(run)
+    end = run.control.resumed(run.steps_done)
+    if run.step is not None:
+        run.step.end_schedule_at(min(end or run.total_steps, run.total_steps))
     warm_up(run)  # resumed or not: compiled shapes, and on CUDA the target's graphs
     if run.dist.is_leader:  # after resume: a refused checkpoint leaves the folder as it was
         run.out.mkdir(parents=True, exist_ok=True)
@@ -528,7 +547,10 @@ def save_or_stop(run: Run, n: int, stop: Stop | None, sink) -> Stop | None:
         checkpoints.save(n)
         if stop is None and control.signalled_after_save(n):
             stop = Stop.SIGNAL
-    if stop is Stop.TIME and n < run.total_steps:
+    if stop is Stop.TIME and run.control.at_end(n):
+        sink.event(f"step {n}: the end of the learning rate's schedule fitted to train.max_time_s="
+                   f"{run.cfg.train.max_time_s:g}; the run ends ({run.total_steps} steps would not fit)")
+    elif stop is Stop.TIME and n < run.total_steps:
         sink.event(f"train.max_time_s={run.cfg.train.max_time_s:g} reached: the run ends at step {n} of "
                    f"{run.total_steps}")
     return stop

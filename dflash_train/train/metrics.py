@@ -321,6 +321,7 @@ class NullSink:
     """What ranks other than the logging one get: every call does nothing."""
 
     def progress(self, n: int = 1) -> None: ...
+    def end_at(self, step: int) -> None: ...
     def log(self, record: dict) -> None: ...
     def event(self, text: str) -> None: ...
     def close(self) -> None: ...
@@ -362,6 +363,14 @@ class MetricsSink:
     def progress(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
+
+    def end_at(self, step: int) -> None:
+        """The run's last step is now `step` (a schedule fitted to train.max_time_s): the console
+        line, the ETA and the bar count to it."""
+        self.total_steps = step
+        if self.bar is not None:
+            self.bar.total = step
+            self.bar.refresh()
 
     def _describe(self, record: dict) -> None:
         """The bar leads with the last walked tau (else the training estimate tau~)."""

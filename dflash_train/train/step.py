@@ -59,16 +59,21 @@ class StepResult:
         return self.flag
 
 
-def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    warmup = math.ceil(warmup_ratio * total_steps)
+class LrSchedule:
+    """The learning rate's factor at a step: a linear warm-up over warmup_ratio of the schedule's
+    `total_steps`, then a cosine to min_lr_ratio at `end` (the schedule's last step, or an
+    earlier one where train.max_time_s ends the run first: Control.fit_to_time), flat after it."""
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def __init__(self, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> None:
+        self.warmup = math.ceil(warmup_ratio * total_steps)
+        self.min_lr_ratio = min_lr_ratio
+        self.end = total_steps
 
-    return factor
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.end - self.warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -114,10 +119,21 @@ class DrafterStep:
         # gradient scaler), so that the step ends without the host waiting for the GPU; the host
         # reads the flag later (StepResult.applied). Otherwise the host decides.
         self.skip_on_device = self.optimizer.defaults.get("fused") is True and len(self.dist.drafter_ranks) == 1
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(total_steps, o.warmup_ratio, o.min_lr_ratio))
+        self.schedule = LrSchedule(total_steps, o.warmup_ratio, o.min_lr_ratio)
+        # A closure, not the object: LambdaLR would save and restore the object's fields, and a
+        # resumed run's schedule is its own config's (its end comes back with Control's state).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: self.schedule(step))
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
+
+    def end_schedule_at(self, step: int) -> None:
+        """The cosine made to end at `step` (Control.fit_to_time), the rate of the step to come
+        set from it."""
+        self.schedule.end = step
+        scheduler = self.scheduler
+        for group, base in zip(self.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * self.schedule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def apply_settings(self, optim) -> None:
         """After a resume with changed settings: AdamW's hyperparameters and the learning rate
