@@ -360,7 +360,8 @@ def test_the_fit_to_time_takes_the_slowest_drafter_ranks_pace_and_gives_the_sche
         ends[step] = fitted.fit_to_time(step, total_steps=700)
     assert {s: e for s, e in ends.items() if e is not None} == {50: 50 + int(0.95 * 950 / 2.0), 550: 700}
     assert fitted.end is None  # the schedule's own end again
-    for section in (TrainSection(), TrainSection(max_time_s=1000.0, fit_schedule_to_time=False)):
+    for section in (TrainSection(), TrainSection(max_time_s=1000.0, fit_schedule_to_time=False),
+                    TrainSection(max_time_s=1000.0)):  # the last: its clock not started (no `with`)
         plain = control.Control(section, dist, micro_per_step=1)
         assert all(plain.fit_to_time(step, 700) is None for step in range(1, 60)) and plain.end is None
 

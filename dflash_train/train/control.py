@@ -133,8 +133,8 @@ class Control:
         schedule now ends at when this call changed it, else None. Where the steps left to
         `total_steps` will not fit the time left at the slowest drafter rank's pace, the end is
         the last step that fits; where they fit again, the end is the schedule's."""
-        if not (self.cfg.fit_schedule_to_time and self.cfg.max_time_s):
-            return None
+        if not (self.cfg.fit_schedule_to_time and self.cfg.max_time_s and math.isfinite(self.deadline)):
+            return None  # (outside the `with`, the clock of max_time_s has not started)
         if self.first_step is None:
             self.first_step = step
         since = step - self.first_step + 1
