@@ -159,40 +159,6 @@ def test_fuzz_prepare_thousands(tmp_path, smollm2_path):
     assert report["num_skipped"] == len(bad) > 1000
 
 
-def test_prepare_in_worker_processes_makes_the_samples_and_report_of_one_process(tmp_path, smollm2_path,
-                                                                                 monkeypatch):
-    """Large data is rendered and tokenized by processes of their own: over several chunks, with
-    bad records, truncated and dropped samples, the dataset (its fingerprint is a hash of its
-    columns) and the report are those of one process; how many processes is decided by the data's
-    size and the cores each torchrun rank of the machine gets."""
-    rng = random.Random(7)
-    cases = [make_case(rng) for _ in range(2 * preparation.PREPARE_CHUNK + 100)]
-    path = tmp_path / "big.jsonl"
-    path.write_bytes(b"\n".join(line for line, _, _ in cases) + b"\n")
-    serial = preparation.prepare([path], smollm2_path, tmp_path / "one", max_length=40, log=lambda *_: None)
-    monkeypatch.setattr(preparation, "prepare_workers", lambda files: 3)
-    parallel = preparation.prepare([path], smollm2_path, tmp_path / "three", max_length=40, log=lambda *_: None)
-    assert serial.dataset._fingerprint == parallel.dataset._fingerprint
-    assert serial.dataset["input_ids"] == parallel.dataset["input_ids"]
-    same = ("num_records", "num_samples", "num_truncated", "num_tokens", "skipped", "fingerprint")
-    assert {k: serial.report[k] for k in same} == {k: parallel.report[k] for k in same}
-    assert serial.report["num_truncated"] > 0 and serial.report["num_skipped"] > 100
-    monkeypatch.undo()
-
-    monkeypatch.setattr(preparation.os, "cpu_count", lambda: 16)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert preparation.prepare_workers([path]) == 1  # small data: this process
-    monkeypatch.setattr(preparation, "PARALLEL_PREPARE_BYTES", 1)
-    assert preparation.prepare_workers([path]) == preparation.PREPARE_WORKERS == 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert preparation.prepare_workers([path]) == 4
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert preparation.prepare_workers([path]) == 1  # 2 cores a rank: the tokenizer's threads use them
-    monkeypatch.setattr(preparation.os, "cpu_count", lambda: 2)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert preparation.prepare_workers([path]) == 1
-
-
 # ---------------------------------------------------------------------------------------------
 # File formats
 

@@ -19,10 +19,8 @@ and the report.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import time
@@ -57,11 +55,6 @@ from dflash_train.data.chat_files import (
 DEFAULT_MAX_LENGTH = DataSection.max_length  # the config's data.max_length (the paper's)
 OVERLONG_CHOICES = ("truncate", "drop")
 PREPARE_CHUNK = 512  # records tokenized per call
-# Data of at least this many bytes is rendered and tokenized by processes of their own, from
-# PREPARE_MIN_WORKERS to PREPARE_WORKERS of them (a process's start costs a few seconds; with
-# fewer cores the tokenizer's own threads already keep them busy).
-PARALLEL_PREPARE_BYTES = 16 * 2**20
-PREPARE_MIN_WORKERS, PREPARE_WORKERS = 4, 8
 
 # Skip reasons are "<category>: <detail>"; these categories are sample-level drops (the record
 # itself was fine), every other category marks a bad record (what --strict refuses).
@@ -452,22 +445,14 @@ def _sources_in(dataset, report: dict, files: list[Path]):
     return dataset, {**report, "files": [str(p) for p in files], "resolved_files": new}
 
 
-def prepare_workers(files: list[Path]) -> int:
-    """Processes that render and tokenize `files`: this machine's cores shared by the processes of
-    its torchrun ranks (each rank prepares), at most PREPARE_WORKERS; 1 (this process) below
-    PARALLEL_PREPARE_BYTES or PREPARE_MIN_WORKERS cores."""
-    size = sum(path.stat().st_size for path in files if path.is_file())
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    cores = (os.cpu_count() or 1) // ranks
-    if size < PARALLEL_PREPARE_BYTES or cores < PREPARE_MIN_WORKERS:
-        return 1
-    return min(PREPARE_WORKERS, cores)
-
-
-def _record_chunks(files: list[Path], max_record_bytes: int, skipped: list[Skip],
-                   counts: collections.Counter) -> Iterable[list[Record]]:
-    """The records of `files` in order, PREPARE_CHUNK at a time (the last one shorter); records
-    that cannot be read are appended to `skipped` as they are met."""
+def _samples_of(tokenizer, files: list[Path], max_length: int, overlong: str,
+                max_record_bytes: int) -> tuple[list[tuple], list[Skip], collections.Counter]:
+    """(samples, skips, counts) of every record of `files`, tokenized PREPARE_CHUNK records at a
+    time; a chunk's dropped samples are listed after the bad records read before it was full."""
+    special = _special_pattern(tokenizer)
+    skipped: list[Skip] = []
+    counts: collections.Counter = collections.Counter()
+    samples: list[tuple[np.ndarray, np.ndarray]] = []
     chunk: list[Record] = []
     for item in iter_records(files, max_record_bytes):
         counts["num_records"] += 1
@@ -476,64 +461,10 @@ def _record_chunks(files: list[Path], max_record_bytes: int, skipped: list[Skip]
             continue
         chunk.append(item)
         if len(chunk) == PREPARE_CHUNK:
-            yield chunk
-            chunk = []
-    yield chunk
-
-
-def _samples_of(target: Path, files: list[Path], max_length: int, overlong: str,
-                max_record_bytes: int) -> tuple[list[tuple], list[Skip], collections.Counter]:
-    """(samples, skips, counts) of every record of `files` in order, rendered and tokenized a
-    chunk at a time: here, or by `prepare_workers` processes for large data (the same samples;
-    the skips are sorted by the caller)."""
-    skipped: list[Skip] = []
-    counts: collections.Counter = collections.Counter()
-    samples: list[tuple] = []
-    chunks = _record_chunks(files, max_record_bytes, skipped, counts)
-    workers = prepare_workers(files)
-    if workers == 1:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        special = _special_pattern(tokenizer)
-        for chunk in chunks:
             samples.extend(_build_samples(tokenizer, special, chunk, max_length, overlong, skipped, counts))
-        return samples, skipped, counts
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_start_prepare_worker,
-                                                initargs=(str(target),)) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.submit(_prepare_chunk, chunk, max_length, overlong))
-            while len(pending) > 2 * workers:  # records read ahead of the workers stay bounded
-                _gather(pending.popleft().result(), samples, skipped, counts)
-        while pending:
-            _gather(pending.popleft().result(), samples, skipped, counts)
+            chunk = []
+    samples.extend(_build_samples(tokenizer, special, chunk, max_length, overlong, skipped, counts))
     return samples, skipped, counts
-
-
-_WORKER_TOKENIZER: list = []  # a prepare worker's (tokenizer, special-token pattern)
-
-
-def _start_prepare_worker(target: str) -> None:
-    """A prepare worker's start: its tokenizer, on one thread (its siblings hold the other cores)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    _WORKER_TOKENIZER[:] = [tokenizer, _special_pattern(tokenizer)]
-
-
-def _prepare_chunk(records: list[Record], max_length: int, overlong: str) -> tuple[list, list, dict]:
-    """A prepare worker's chunk: (samples, skips, counts) of `records`."""
-    skipped: list[Skip] = []
-    counts: collections.Counter = collections.Counter()
-    tokenizer, special = _WORKER_TOKENIZER
-    return _build_samples(tokenizer, special, records, max_length, overlong, skipped, counts), skipped, dict(counts)
-
-
-def _gather(done: tuple[list, list, dict], samples: list, skipped: list[Skip], counts: collections.Counter) -> None:
-    """A worker's chunk added to the run's samples, skips and counts."""
-    chunk_samples, chunk_skipped, chunk_counts = done
-    samples.extend(chunk_samples)
-    skipped.extend(chunk_skipped)
-    counts.update(chunk_counts)
 
 
 def prepare(
@@ -566,7 +497,8 @@ def prepare(
         return cached
 
     started = time.perf_counter()
-    samples, skipped, counts = _samples_of(target, files, max_length, overlong, max_record_bytes)
+    samples, skipped, counts = _samples_of(AutoTokenizer.from_pretrained(target), files, max_length, overlong,
+                                           max_record_bytes)
     if strict:
         bad = [s for s in skipped if s.category not in SAMPLE_DROP_REASONS]
         if bad:
