@@ -286,7 +286,7 @@ def notice(plan: Recipe) -> str:
     return (f"dflash-train train: the embedded default on a GPU: {plan.target} given alone "
             f"(docs/QUALITY.md): it writes {plan.target_prompts:,} conversations of its own and answers "
             f"{plan.records:,} bundled ShareGPT conversations"
-            f"{''.join(f' and {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()} "
+            f"{''.join(f' and up to {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()} "
             f"(a rerun resumes), then {plan.steps:,} training steps within {plan.budget_s:g} s for data and "
             f"training, then served tau on {', '.join(EVAL_SETS)} (first {plan.eval_limit} each); for the CPU "
             f"smoke run instead: `dflash-train train train.device=cpu`")
@@ -297,7 +297,7 @@ def own_data_notice(plan: Recipe) -> str:
     budget = f"within {plan.budget_s:g} s for data and training" if plan.budget_s else f"{plan.steps:,} training steps"
     return (f"dflash-train train: no data given: {plan.target} writes {plan.target_prompts:,} conversations of its "
             f"own and answers {plan.records:,} bundled ShareGPT conversations"
-            f"{''.join(f' and {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()}; "
+            f"{''.join(f' and up to {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()}; "
             f"a drafter trained on them with a held-out split ({budget}), the best walked checkpoint exported, "
             f"then served on {', '.join(EVAL_SETS)}; give data.paths to train on data of your own")
 
