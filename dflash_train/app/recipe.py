@@ -44,7 +44,7 @@ from dflash_train.core.assets import cache_root, sharegpt_json
 from dflash_train.core.config import load_config
 from dflash_train.core.errors import INTERRUPTED, InputError
 from dflash_train.core.signals import StopFlag
-from dflash_train.core.target import resolve_target_path
+from dflash_train.core.target import resolve_target_path, weight_bytes
 from dflash_train.data import regenerate, sources, target_prompts
 from dflash_train.data.batching import PAD_MULTIPLE
 from dflash_train.data.chat_files import DataError
@@ -564,12 +564,6 @@ def _own_written_aside(plan: Recipe, rows: int, deadline: float | None, log,
     log(f"dflash-train train: the process writing the target's own conversations failed (exit status "
         f"{own.exitcode}); they are written here")
     return _own_conversations(plan, rows, deadline, log)
-
-
-def weight_bytes(folder: Path) -> int:
-    """Bytes of a model folder's weight files (safetensors, else PyTorch .bin)."""
-    files = list(Path(folder).glob("*.safetensors")) or list(Path(folder).glob("*.bin"))
-    return sum(path.stat().st_size for path in files)
 
 
 def stop_prompt_writers(writers: dict[str, multiprocessing.Process]) -> None:

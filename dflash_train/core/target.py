@@ -148,9 +148,21 @@ def _tokenizer_problems(folder: Path) -> list[str]:
     return problems
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """A model folder's weight files: its safetensors files, then its PyTorch .bin ones."""
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the weights a model folder loads: its safetensors files where it has any (what
+    transformers reads first), else its PyTorch .bin files."""
+    files = weight_files(Path(folder))
+    return sum(path.stat().st_size for path in [f for f in files if f.suffix == ".safetensors"] or files)
+
+
 def _weight_problems(folder: Path) -> list[str]:
     """Missing, unreadable or damaged weight files (safetensors headers; PyTorch zip files)."""
-    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+    files = weight_files(folder)
     problems = []
     for index in sorted(folder.glob("*.index.json")):
         raw, problem = _read_json(index)

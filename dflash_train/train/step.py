@@ -130,9 +130,14 @@ class DrafterStep:
         """The cosine made to end at `step` (Control.fit_to_time), the rate of the step to come
         set from it."""
         self.schedule.end = step
+        self._rates_from_schedule()
+
+    def _rates_from_schedule(self) -> None:
+        """Each group's rate (and the scheduler's last one) at the schedule's point of the step to
+        come, from its base rate: after the schedule or the base rate changed between steps."""
         scheduler = self.scheduler
-        for group, base in zip(self.optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base * self.schedule(scheduler.last_epoch)
+        for group, base, rule in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * rule(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def apply_settings(self, optim) -> None:
@@ -142,11 +147,8 @@ class DrafterStep:
         for group in self.optimizer.param_groups:
             group.update(betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
                          initial_lr=optim.lr)
-        scheduler = self.scheduler
-        scheduler.base_lrs = [optim.lr] * len(self.optimizer.param_groups)
-        for group, rule in zip(self.optimizer.param_groups, scheduler.lr_lambdas):
-            group["lr"] = optim.lr * rule(scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self.scheduler.base_lrs = [optim.lr] * len(self.optimizer.param_groups)
+        self._rates_from_schedule()
 
     def __call__(self, shipments) -> StepResult:
         """One optimizer step; `shipments` yields the next micro-batch only after the previous
