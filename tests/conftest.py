@@ -19,6 +19,9 @@ from dflash_train.engine.graphs import Graphs
 # The tests' tensors are tiny: one intra-op thread avoids OpenMP hand-off costs that dominate
 # (and explode when the 2-core CI machine is busy with anything else).
 torch.set_num_threads(1)
+# ... and in the processes the tests start (the CLI, torchrun, spawned workers), which would each
+# take both cores otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

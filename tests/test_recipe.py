@@ -81,7 +81,7 @@ def test_a_target_alone_makes_its_data_trains_and_serves_on_cpu(tmp_path, monkey
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     plan = dataclasses.replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), records=6, steps=4,
                                regen_temperature=5.0, eval_every=2, validation=2, target_prompts=4,
-                               prompt_max_candidates=8, max_new_tokens=8)
+                               prompt_max_candidates=8, prompt_max_tokens=16, max_new_tokens=8)
     said: list[str] = []
     assert recipe.run_recipe(plan, log=said.append) == 0
     assert any("conversations kept; the target writes too few usable turns" in line and "going on without them"

@@ -80,6 +80,9 @@ OWN_DATA_DRAFTER_LAYERS = 8
 CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512", "data.token_budget=2048",
                                    "data.max_batch_size=16", "objective.num_anchors=16", "optim.lr=1e-3",
                                    "train.anchor_multiple=16")
+# A turn the target writes (its own conversations) that has not ended within this many tokens is
+# dropped: target_prompts' own default, named in the file of the conversations when it differs
+PROMPT_MAX_TOKENS = target_prompts.TargetPromptOptions.max_prompt_tokens
 MIN_GPU_GIB = 32.0  # above the recipe's training peak (docs/QUALITY.md)
 # The target's own conversations are written beside the other data stages where two copies of its
 # weights take at most this share of the GPU's memory (SmolLM2-135M: 0.3 GB, Qwen2.5-0.5B: 1 GB)
@@ -102,6 +105,7 @@ class Recipe:
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
     prompt_max_candidates: int | None = None  # target_prompts.TargetPromptOptions.max_candidates
+    prompt_max_tokens: int = PROMPT_MAX_TOKENS  # a written turn not ended within this many tokens is dropped
     data_dir: str | None = None  # where the data is made; None: the asset cache (shared by runs)
     max_new_tokens: int = 320
     max_prompt_length: int = 1024
@@ -165,8 +169,9 @@ class Recipe:
     def target_prompt_path(self) -> Path:
         """The target's own conversations, named by the target and the settings that make them."""
         name = _slug(self.target.removeprefix("bundled:"))
+        cut = "" if self.prompt_max_tokens == PROMPT_MAX_TOKENS else f"-cut{self.prompt_max_tokens}"
         return self.data_root() / (f"{name}-target-prompts-turns{self.prompt_turns}-sys{self.prompt_system_share:g}"
-                                   f"-t{self.prompt_temperature:g}-p{self.prompt_top_p:g}-new{self.max_new_tokens}.jsonl")
+                                   f"-t{self.prompt_temperature:g}-p{self.prompt_top_p:g}{cut}-new{self.max_new_tokens}.jsonl")
 
     def regenerated_path(self) -> Path:
         if self.regenerated is not None:
@@ -430,7 +435,7 @@ def _target_prompts(plan: Recipe, rows: int, deadline: float | None, log) -> Pat
         limit=plan.target_prompts, max_turns=plan.prompt_turns, system_share=plan.prompt_system_share,
         temperature=plan.prompt_temperature, top_p=plan.prompt_top_p, max_new_tokens=plan.max_new_tokens,
         max_length=plan.max_prompt_length + plan.max_new_tokens, batch_size=rows, device=plan.device,
-        deadline=deadline, max_candidates=plan.prompt_max_candidates)
+        deadline=deadline, max_candidates=plan.prompt_max_candidates, max_prompt_tokens=plan.prompt_max_tokens)
     try:
         counts = target_prompts.write_target_prompts(plan.target, path, options, log=log)
     except DataError as err:
