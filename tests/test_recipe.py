@@ -26,13 +26,16 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
     monkeypatch.setattr(recipe, "run_recipe", lambda plan: plans.append(plan) or 0)
     monkeypatch.setattr(commands, "train", lambda cfg, **kwargs: configs.append(cfg))
     assert cli.main(["train"]) == 0
-    # The bundled target given alone: the plan of `train target.path=bundled:smollm2-135m-instruct`.
-    assert plans == [Recipe.own_data("bundled:smollm2-135m-instruct", "cuda", "runs/default-gpu")] and configs == []
-    assert plans[0].target_prompts == recipe.OWN_DATA_TARGET_PROMPTS and plans[0].steps == recipe.OWN_DATA_STEPS
+    # The bundled target given alone: the plan of `train target.path=bundled:smollm2-135m-instruct`,
+    # fitted to 15 minutes (fewer conversations of its own, a smaller budget), the rest the same.
+    alone = Recipe.own_data("bundled:smollm2-135m-instruct", "cuda", "runs/default-gpu")
+    assert plans == [replace(alone, target_prompts=5_000, budget_s=recipe.GPU_DEFAULT_BUDGET_S)] and configs == []
+    assert plans[0].budget_s < alone.budget_s and plans[0].steps == recipe.OWN_DATA_STEPS
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("dflash-train train: the embedded default on a GPU: bundled:smollm2-135m-instruct "
                             "given alone")
-    assert "10,000 conversations of its own" in first and "6,000 bundled ShareGPT conversations" in first
+    assert "5,000 conversations of its own" in first and "6,000 bundled ShareGPT conversations" in first
+    assert f"up to 4,300 training steps within {recipe.GPU_DEFAULT_BUDGET_S:g} s for data and training" in first
     assert "runs/default-gpu/target-data" in first and "train.device=cpu" in first
     assert cli.main(["train", "--output-dir", str(tmp_path / "mine")]) == 0
     assert plans[-1].output_dir == str(tmp_path / "mine")
@@ -336,6 +339,10 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert own.output_dir == "runs/models-Qwen3-8B" and own.data_root() == Path("runs/models-Qwen3-8B/target-data")
     assert own.target_prompts > 0 and own.budget_s == recipe.OWN_DATA_BUDGET_S
     assert own.target_prompt_path().parent == own.data_root() == own.regenerated_path().parent
+    # the cut of a written turn names the file only where it is not target_prompts' own default
+    assert "-cut" not in own.target_prompt_path().name and own.prompt_max_tokens == 512
+    assert replace(own, prompt_max_tokens=128).target_prompt_path().name == \
+        own.target_prompt_path().name.replace("-new", "-cut128-new")
     # its drafter is deeper than the quality recipe's, every other training setting the same
     cfg = load_config(None, own.train_overrides([path]))
     assert cfg.drafter.num_layers == recipe.OWN_DATA_DRAFTER_LAYERS == 8

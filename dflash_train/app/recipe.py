@@ -14,8 +14,8 @@ bundled ShareGPT chats and the prompt sources, all answered by it at T=0 (into t
 so a stopped run resumes), a drafter trained on them with a held-out validation split (the best
 walked checkpoint exported), then served at T=0 on MT-Bench, HumanEval and GSM8K, ending with
 the served tau of each set; one budget covers the data and the training. `dflash-train train`
-with no arguments on a machine with a CUDA GPU is the same for the bundled SmolLM2
-(`gpu_default`). On CPU the embedded default stays the smoke-sized run of
+with no arguments on a machine with a CUDA GPU is the same for the bundled SmolLM2, fitted to
+15 minutes (`gpu_default`). On CPU the embedded default stays the smoke-sized run of
 config.EMBEDDED_DEFAULT.
 """
 
@@ -76,6 +76,12 @@ OWN_DATA_STEPS = 4300
 # the same data, split and schedule; a batch-1 cycle costs 1.633 target steps against 1.475, so 8 layers
 # pays above 5.73 (docs/QUALITY.md, a target given alone)
 OWN_DATA_DRAFTER_LAYERS = 8
+# The embedded default on a GPU (`make train`, the bundled SmolLM2 given alone): 15 minutes end to end.
+# At equal end-to-end time, 5,000 own conversations and a 470 s training box walked 5.49 where 10,000
+# and 320 s walked 4.90 (docs/QUALITY.md, a target given alone). The budget covers the data (about
+# 280 s on an H100) and training; data prepare, the warm-up and serving come on top (about 140 s).
+GPU_DEFAULT_TARGET_PROMPTS = 5_000
+GPU_DEFAULT_BUDGET_S = 740.0
 # A target given alone on a CPU: the smoke-sized drafter of config.EMBEDDED_DEFAULT.
 CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512", "data.token_budget=2048",
                                    "data.max_batch_size=16", "objective.num_anchors=16", "optim.lr=1e-3",
@@ -281,9 +287,11 @@ GPU_DEFAULT_OUTPUT = "runs/default-gpu"
 
 def gpu_default(output_dir: str | None = None) -> Recipe:
     """The embedded default on a GPU (`dflash-train train` with no arguments): the bundled
-    target given alone (Recipe.own_data), its data made in `output_dir` (default
+    target given alone (Recipe.own_data) fitted to 15 minutes (GPU_DEFAULT_TARGET_PROMPTS of its
+    own conversations, GPU_DEFAULT_BUDGET_S), its data made in `output_dir` (default
     GPU_DEFAULT_OUTPUT)."""
-    return Recipe.own_data(Recipe.target, "cuda", output_dir or GPU_DEFAULT_OUTPUT)
+    plan = Recipe.own_data(Recipe.target, "cuda", output_dir or GPU_DEFAULT_OUTPUT, GPU_DEFAULT_BUDGET_S)
+    return replace(plan, target_prompts=GPU_DEFAULT_TARGET_PROMPTS)
 
 
 def notice(plan: Recipe) -> str:
@@ -292,8 +300,8 @@ def notice(plan: Recipe) -> str:
             f"(docs/QUALITY.md): it writes {plan.target_prompts:,} conversations of its own and answers "
             f"{plan.records:,} bundled ShareGPT conversations"
             f"{''.join(f' and up to {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()} "
-            f"(a rerun resumes), then {plan.steps:,} training steps within {plan.budget_s:g} s for data and "
-            f"training, then served tau on {', '.join(EVAL_SETS)} (first {plan.eval_limit} each); for the CPU "
+            f"(a rerun resumes), then up to {plan.steps:,} training steps within {plan.budget_s:g} s for data "
+            f"and training, then served tau on {', '.join(EVAL_SETS)} (first {plan.eval_limit} each); for the CPU "
             f"smoke run instead: `dflash-train train train.device=cpu`")
 
 
