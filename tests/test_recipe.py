@@ -149,6 +149,35 @@ def test_the_sources_prompts_are_written_aside_as_the_stage_writes_them(tmp_path
         assert plan.source_prompts(name, count).read_bytes() == expected[name].read_bytes()
 
 
+def test_a_stage_gets_all_the_rows_once_the_own_conversations_process_has_ended(tmp_path, monkeypatch):
+    """Beside the own conversations' process a stage decodes half the rows (its two engines hold
+    the rest); a stage that starts after it ended gets all of them, and says so."""
+    plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), records=4,
+                   sources=(("word-problems", 8), ("python-functions", 8)))
+    asked = []
+
+    class Own:  # alive through the chats and the first source, ended before the second
+        exitcode = 0
+        checks = iter([True, True])
+
+        def is_alive(self):
+            return next(self.checks, False)
+
+    def regenerate_up_to(plan, data, out, want, rows, what, *args):
+        asked.append((what, rows))
+        out.write_text("{}\n")
+        return False
+
+    monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
+    monkeypatch.setattr(recipe.sources, "write_source", lambda name, path, limit: path.write_text("{}\n") or 1)
+    said = []
+    recipe._make_data(plan, 512, None, said.append, {}, Own())
+    assert asked == [("conversations", 256), ("word-problems records", 256), ("python-functions records", 512)]
+    assert said == ["dflash-train train: the own conversations' process has ended; the python-functions prompts are "
+                    "answered on all 512 rows"]
+    assert recipe.stage_rows(512, None, "the chats", said.append) == 512 and len(said) == 1  # no process beside
+
+
 def test_a_failed_or_stopped_prompt_writer_costs_nothing(tmp_path, monkeypatch):
     """A writer that failed: its stage writes the prompts itself. A writer stopped before its stage
     (a budget, a signal) leaves no file behind, not even part of one."""

@@ -142,7 +142,8 @@ class Recipe:
     stage writes its own, in turn."""
     own_aside: bool = True
     """The target's own conversations written by a process of its own (its own copy of the target)
-    while this one answers the chats and the sources at half its rows: each stage is bound by its
+    while this one answers the chats and the sources at half its rows (all of them in a stage that
+    starts after it ended: stage_rows): each stage is bound by its
     process's host work, so side by side they take little more than the longer one. Only where two
     copies of the target's weights take at most OWN_ASIDE_WEIGHT_SHARE of the GPU (run_recipe);
     False: in turn."""
@@ -386,12 +387,11 @@ def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
                writers: dict[str, multiprocessing.Process],
                own: multiprocessing.Process | None) -> list[Path] | None:
     files = []
-    stage_rows = rows if own is None else max(1, rows // 2)  # the own conversations' engines hold the rest
     if plan.records:
         path = plan.regenerated_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        if _regenerate_up_to(plan, plan.data or sharegpt_json(), path, plan.records, stage_rows, "conversations",
-                             deadline, log):
+        if _regenerate_up_to(plan, plan.data or sharegpt_json(), path, plan.records,
+                             stage_rows(rows, own, "the chats", log), "conversations", deadline, log):
             return None
         files.append(path)
     if own is None and plan.target_prompts:
@@ -400,7 +400,8 @@ def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
         if _past(deadline, f"the {name} prompts", log):
             continue
         _release()
-        answered = _regenerate_source(plan, name, count, stage_rows, deadline, log, writers.get(name))
+        answered = _regenerate_source(plan, name, count, stage_rows(rows, own, f"the {name} prompts", log),
+                                      deadline, log, writers.get(name))
         if answered is None:
             return None
         files.append(answered)
@@ -413,6 +414,17 @@ def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
         raise InputError(f"no training data was made for {plan.target} (see the lines above); give data.paths, or "
                          f"a larger budget")
     return files
+
+
+def stage_rows(rows: int, own: multiprocessing.Process | None, what: str, log) -> int:
+    """A data stage's engine rows, chosen as it starts: half while the own conversations' process
+    runs beside it (its two engines hold the rest), all of them once it has ended (said)."""
+    if own is None:
+        return rows
+    if own.is_alive():
+        return max(1, rows // 2)
+    log(f"dflash-train train: the own conversations' process has ended; {what} are answered on all {rows:,} rows")
+    return rows
 
 
 def _past(deadline: float | None, stage: str, log) -> bool:
