@@ -298,22 +298,24 @@ def gpu_default(output_dir: str | None = None) -> Recipe:
 def notice(plan: Recipe) -> str:
     """The first line of the embedded default on a GPU: what the run does."""
     return (f"dflash-train train: the embedded default on a GPU: {plan.target} given alone "
-            f"(docs/QUALITY.md): it writes {plan.target_prompts:,} conversations of its own and answers "
-            f"{plan.records:,} bundled ShareGPT conversations"
-            f"{''.join(f' and up to {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()} "
-            f"(a rerun resumes), then up to {plan.steps:,} training steps within {plan.budget_s:g} s for data "
-            f"and training, then served tau on {', '.join(EVAL_SETS)} (first {plan.eval_limit} each); for the CPU "
-            f"smoke run instead: `dflash-train train train.device=cpu`")
+            f"(docs/QUALITY.md): it {_data_made(plan)} (a rerun resumes), then up to {plan.steps:,} training steps "
+            f"within {plan.budget_s:g} s for data and training, then served tau on {', '.join(EVAL_SETS)} (first "
+            f"{plan.eval_limit} each); for the CPU smoke run instead: `dflash-train train train.device=cpu`")
 
 
 def own_data_notice(plan: Recipe) -> str:
     """The first line of `dflash-train train target.path=DIR` alone: what the run does."""
     budget = f"within {plan.budget_s:g} s for data and training" if plan.budget_s else f"{plan.steps:,} training steps"
-    return (f"dflash-train train: no data given: {plan.target} writes {plan.target_prompts:,} conversations of its "
-            f"own and answers {plan.records:,} bundled ShareGPT conversations"
-            f"{''.join(f' and up to {count:,} {name} prompts' for name, count in plan.sources)} into {plan.data_root()}; "
-            f"a drafter trained on them with a held-out split ({budget}), the best walked checkpoint exported, "
-            f"then served on {', '.join(EVAL_SETS)}; give data.paths to train on data of your own")
+    return (f"dflash-train train: no data given: {plan.target} {_data_made(plan)}; a drafter trained on them with a "
+            f"held-out split ({budget}), the best walked checkpoint exported, then served on {', '.join(EVAL_SETS)}; "
+            f"give data.paths to train on data of your own")
+
+
+def _data_made(plan: Recipe) -> str:
+    """The data a plan makes, as both first lines say it."""
+    prompts = "".join(f" and up to {count:,} {name} prompts" for name, count in plan.sources)
+    return (f"writes {plan.target_prompts:,} conversations of its own and answers {plan.records:,} bundled ShareGPT "
+            f"conversations{prompts} into {plan.data_root()}")
 
 
 def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
