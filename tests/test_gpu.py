@@ -1,6 +1,6 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
-with hard labels and with distillation, and the Triton loss kernel against the torch chunk;
+with hard labels and with distillation, and the Triton loss kernel against the torch chunk; the drafter's norm kernel against its eager rule, and where the engine takes it;
 the BlockMask read off the layout against create_block_mask, with no host sync; the target's
 CUDA graphs against its forward without them; the side-stream packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
@@ -223,6 +223,79 @@ def test_triton_loss_kernel_equals_the_torch_chunk_on_gpu(V):
     assert ((grad.float() - t_grad.float()).norm() / t_grad.float().norm()).item() < 1e-2
     n_loss, n_preds, _, n_grad = triton_hard_chunk_loss(hidden, weight, labels, False)
     assert n_grad is None and torch.equal(n_loss, loss) and torch.equal(n_preds, preds)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_kernel_equals_the_eager_rule_on_gpu(dtype):
+    """The drafter's RMSNorm as one Triton kernel (core/norm_kernel.py) against its eager rule on
+    the drafter's shapes: bit for bit but for values a float32 sum in another order moves across
+    a rounding boundary (one unit in the last place, rare)."""
+    from dflash_train.core.norm_kernel import triton_rms_norm
+
+    from test_norm_kernel import eager_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in ((16, 9, 64), (1, 16, 576), (4, 33, 3, 64), (512, 576)):
+        x = (torch.randn(*shape, device="cuda", generator=g) * 3).to(dtype)
+        w = (1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)).to(dtype)
+        got, want = triton_rms_norm(x, w, 1e-5), eager_norm(x, w, 1e-5)
+        if dtype == torch.bfloat16:  # serving's dtype: the roundings are the rule's
+            assert (got == want).float().mean().item() > 0.999
+            # the rest: a unit of the normalised row, times the weight
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monkeypatch):
+    """With the engine's kernel set, a drafter norm takes it under no_grad at its weight's dtype;
+    with grad enabled (training), under autocast (the walk's float32 master weights) or at
+    another dtype it keeps the eager rule."""
+    from dflash_train.core import drafter as drafter_code
+    from dflash_train.core.drafter import RMSNorm
+
+    calls = []
+
+    def kernel(x, w, eps):
+        calls.append(x.dtype)
+        return x
+
+    monkeypatch.setattr(drafter_code, "norm_kernel", kernel)
+    norm = RMSNorm(64, 1e-6).cuda().to(torch.bfloat16)
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm(x)
+    assert calls == [torch.bfloat16]
+    norm(x)  # grad enabled
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        norm(x)
+        RMSNorm(64, 1e-6).cuda()(x)  # a float32 weight
+    assert calls == [torch.bfloat16]
+
+
+def test_speculation_with_the_norm_kernel_is_lossless_and_proposes_as_the_eager_rule():
+    """Batch-1 speculative decoding on the GPU with the drafter's norms as one kernel (and its
+    graphs) gives the target-only output, and the same acceptance lengths as with the eager rule
+    within bf16 near-ties."""
+    from dflash_train.bench.decoding import build_models
+    from dflash_train.engine.decoder import Decoder
+    from dflash_train.engine.proposer import DFlashProposer, use_norm_kernel
+
+    model, drafter = build_models(None, torch.device("cuda"), torch.bfloat16, num_layers=3)
+    prompt = torch.randint(0, 49000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {}
+    try:
+        for kernel in (True, False):
+            engine = Decoder(model, DFlashProposer.for_target(drafter, model, norm_kernel=kernel))
+            base = engine.generate([prompt], 64)[0]
+            spec = engine.speculate([prompt], 64)[0]
+            engine.close()
+            assert spec.output_ids == base.output_ids
+            runs[kernel] = spec.acceptance_lengths
+    finally:
+        use_norm_kernel(torch.device("cuda"))
+    same = sum(a == b for a, b in zip(runs[True], runs[False]))
+    assert same >= 0.9 * max(len(runs[True]), len(runs[False]))
 
 
 def test_block_loss_with_the_triton_kernel_equals_the_compiled_chunks_on_gpu():

@@ -440,6 +440,12 @@ class DrafterCache:
 # --------------------------------------------------------------------------- modules
 
 
+# The rule of RMSNorm as one kernel, `fn(x, weight, eps)`, for inference on CUDA: the decoding
+# engine hands one in (dflash_train/core/norm_kernel.py); None (consumers of an export,
+# training): the eager rule below, which it must equal.
+norm_kernel = None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -447,6 +453,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Grad first: training's compiled layers never read (nor guard on) the kernel.
+        if not torch.is_grad_enabled() and norm_kernel is not None and x.is_cuda and x.dtype == self.weight.dtype \
+                and not torch.is_autocast_enabled(x.device.type):
+            return norm_kernel(x, self.weight, self.eps)
         # Normalise in fp32 (bf16 activations of Qwen3 have outliers), scale in input dtype.
         # The result keeps the input's dtype also where the weight is float32 (training's master
         # weights under autocast), as it does in serving's bf16: no float32 activations.

@@ -17,11 +17,13 @@ B block size, W key columns read by a forward.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from dflash_train.core import drafter as drafter_code
 from dflash_train.core.attention import causal_position_mask
 from dflash_train.core.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterCache
 from dflash_train.engine.decode import PREFILL_GRAPH_ROWS, StaticCache, pick, row_buckets, width_buckets
@@ -49,6 +51,21 @@ class Proposer(Protocol):
     def keep_rows(self, index_R: torch.Tensor) -> None: ...
 
 
+def use_norm_kernel(device: torch.device, wanted: bool = True) -> bool:
+    """On a CUDA device with Triton (and `wanted`), the drafter's norms run in inference as one
+    kernel each (core/norm_kernel.py), else by the eager rule; returns whether the kernel is on.
+    Process-wide (drafter.norm_kernel): training's own steps keep the eager rule either way."""
+    on = wanted and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if on:
+        # Triton comes with CUDA builds of torch only: imported where the kernel runs.
+        from dflash_train.core.norm_kernel import triton_rms_norm
+
+        drafter_code.norm_kernel = triton_rms_norm
+    elif device.type == "cuda":
+        drafter_code.norm_kernel = None
+    return on
+
+
 class DFlashProposer:
     """The DFlash drafter as a proposer. `propose_batch` runs the drafter's block step for R
     rows in one forward on a StaticCache whose column p holds each row's context position p: a
@@ -61,7 +78,9 @@ class DFlashProposer:
     `propose` is the reference it is checked against: one sequence, a growing DrafterCache of
     all earlier context, the block's keys/values never kept; no engine."""
 
-    def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, graphs: bool = True) -> None:
+    def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, graphs: bool = True,
+                 norm_kernel: bool = True) -> None:
+        use_norm_kernel(embed_weight.device, norm_kernel)
         self.drafter = drafter
         self.block_size = int(drafter.block_size)
         self.target_layer_ids = list(drafter.target_layer_ids)
@@ -76,11 +95,11 @@ class DFlashProposer:
         self.widths: list[int] = []
 
     @classmethod
-    def for_target(cls, drafter, model, graphs: bool = True) -> "DFlashProposer":
+    def for_target(cls, drafter, model, graphs: bool = True, norm_kernel: bool = True) -> "DFlashProposer":
         """Uses the target's frozen embedding and lm_head (tied or not)."""
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
-        return cls(drafter, embed, head.weight if head is not None else embed, graphs=graphs)
+        return cls(drafter, embed, head.weight if head is not None else embed, graphs=graphs, norm_kernel=norm_kernel)
 
     def reset(self, rows: int = 1, capacity: int = 0) -> None:
         self.cache = self._new_cache()

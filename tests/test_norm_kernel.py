@@ -1,0 +1,98 @@
+"""The drafter's RMSNorm as one Triton kernel (core/norm_kernel.py) against the eager rule of
+drafter.RMSNorm, run on CPU in Triton's interpreter (TRITON_INTERPRET=1, in a child process: the
+interpreter is chosen when the kernel is defined). tests/test_gpu.py runs it compiled and checks
+where the engine uses it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.core import drafter as drafter_code
+from dflash_train.core.drafter import RMSNorm
+from dflash_train.engine.proposer import use_norm_kernel
+
+HERE = Path(__file__).resolve().parent
+
+
+def _interpreted(case: str) -> None:
+    pytest.importorskip("triton", reason="the norm kernel's tests need the triton package (the test extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    code = f"import test_norm_kernel as t; t.{case}()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], eps).to(x.device, x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return norm(x)
+
+
+def truncated_rule(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """drafter.RMSNorm's rule in bfloat16 with each rounding a truncation (Triton's interpreter)."""
+    def truncate(t):
+        return (t.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+    x32 = x.float()
+    normed = truncate(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+    return truncate(normed * weight.float()).to(torch.bfloat16)
+
+
+def check_kernel_equals_the_eager_rule() -> None:
+    from dflash_train.core.norm_kernel import triton_rms_norm
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    g = torch.Generator().manual_seed(0)
+    # the drafter's shapes: a head (64), SmolLM2's hidden size (576, not a power of two); rows of
+    # very different scales (Qwen3's outliers), and a row of zeros (eps alone)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((3, 5, 64), (7, 576), (2, 1, 3, 64)):
+            x = (torch.randn(*shape, generator=g) * torch.logspace(-2, 2, shape[-2])[:, None]).to(dtype)
+            x[..., 0, :] = 0
+            w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+            got, want = triton_rms_norm(x, w, 1e-6), eager_norm(x, w, 1e-6)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got[..., 0, :], torch.zeros_like(got[..., 0, :]))
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+            else:
+                # Triton's interpreter rounds to bfloat16 by truncation where the GPU rounds to
+                # nearest even (tests/test_gpu.py holds the kernel to the eager rule there): here
+                # it equals the rule with both roundings truncated, but for values whose float32
+                # sum of squares, summed in another order, moved them across a boundary
+                assert (got == truncated_rule(x, w, 1e-6)).float().mean() > 0.99
+                ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+                assert ((got.float() - want.float()).abs() <= 3 * ulp).all()
+        # a strided input (a transposed view) is read as its values
+        x = torch.randn(64, 6, generator=g).to(dtype).t()
+        w = torch.ones(64, dtype=dtype)
+        torch.testing.assert_close(triton_rms_norm(x, w, 1e-5).float(), eager_norm(x, w, 1e-5).float(),
+                                   rtol=2 ** -7, atol=1e-6)
+    # no rows: nothing launched
+    assert triton_rms_norm(torch.zeros(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+
+
+def test_kernel_equals_the_eager_rule_in_the_interpreter():
+    _interpreted("check_kernel_equals_the_eager_rule")
+
+
+def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
+    """On CPU the drafter's norms keep the eager rule whatever is asked, also where a kernel is
+    set (tests/test_gpu.py checks grad, autocast and dtypes on the GPU)."""
+    monkeypatch.setattr(drafter_code, "norm_kernel", None)
+    assert not use_norm_kernel(torch.device("cpu"))
+    assert drafter_code.norm_kernel is None
+    calls = []
+    monkeypatch.setattr(drafter_code, "norm_kernel", lambda x, w, eps: calls.append(x) or x)
+    norm = RMSNorm(8, 1e-6)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        norm(x)  # a CPU tensor: the eager rule
+    assert calls == []
