@@ -1,6 +1,6 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
-with hard labels and with distillation, and the Triton loss kernel against the torch chunk; the drafter's norm kernel against its eager rule, and where the engine takes it;
+with hard labels and with distillation, and the Triton loss kernel against the torch chunk; the norm kernel against its eager rule, where the engine takes it for the drafter's and the target's norms;
 the BlockMask read off the layout against create_block_mask, with no host sync; the target's
 CUDA graphs against its forward without them; the side-stream packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
@@ -248,9 +248,9 @@ def test_norm_kernel_equals_the_eager_rule_on_gpu(dtype):
 
 
 def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monkeypatch):
-    """With the engine's kernel set, a drafter norm takes it under no_grad at its weight's dtype;
-    with grad enabled (training), under autocast (the walk's float32 master weights) or at
-    another dtype it keeps the eager rule."""
+    """With the engine's kernel set, a drafter norm takes it where autograd records nothing, at
+    its weight's dtype; where it records (training), under autocast (the walk's float32 master
+    weights) or at another dtype it keeps the eager rule."""
     from dflash_train.core import drafter as drafter_code
     from dflash_train.core.drafter import RMSNorm
 
@@ -266,20 +266,25 @@ def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monk
     with torch.no_grad():
         norm(x)
     assert calls == [torch.bfloat16]
-    norm(x)  # grad enabled
+    norm(x)  # grad enabled, a weight that trains
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         norm(x)
         RMSNorm(64, 1e-6).cuda()(x)  # a float32 weight
     assert calls == [torch.bfloat16]
+    norm.requires_grad_(False)
+    norm(x)  # grad enabled, but nothing to record (a frozen module, as the engine's are)
+    assert calls == [torch.bfloat16] * 2
 
 
-def test_speculation_with_the_norm_kernel_is_lossless_and_proposes_as_the_eager_rule():
-    """Batch-1 speculative decoding on the GPU with the drafter's norms as one kernel (and its
-    graphs) gives the target-only output, and the same acceptance lengths as with the eager rule
-    within bf16 near-ties."""
+def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_rule():
+    """Batch-1 decoding on the GPU with the target's and the drafter's norms as one kernel each
+    (and graphs): every norm of the Llama-shaped target is fused, speculative decoding gives the
+    target-only output, and both give the tokens and acceptance lengths of the eager rule but
+    for bf16 near-ties."""
     from dflash_train.bench.decoding import build_models
     from dflash_train.engine.decoder import Decoder
-    from dflash_train.engine.proposer import DFlashProposer, use_norm_kernel
+    from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
+    from dflash_train.engine.proposer import DFlashProposer
 
     model, drafter = build_models(None, torch.device("cuda"), torch.bfloat16, num_layers=3)
     prompt = torch.randint(0, 49000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -287,15 +292,20 @@ def test_speculation_with_the_norm_kernel_is_lossless_and_proposes_as_the_eager_
     try:
         for kernel in (True, False):
             engine = Decoder(model, DFlashProposer.for_target(drafter, model, norm_kernel=kernel))
+            fused = fuse_target_norms(model, kernel)
+            assert fused == (2 * model.config.num_hidden_layers + 1 if kernel else 0)
             base = engine.generate([prompt], 64)[0]
             spec = engine.speculate([prompt], 64)[0]
             engine.close()
             assert spec.output_ids == base.output_ids
-            runs[kernel] = spec.acceptance_lengths
+            runs[kernel] = (base.output_ids, spec.acceptance_lengths)
     finally:
         use_norm_kernel(torch.device("cuda"))
-    same = sum(a == b for a, b in zip(runs[True], runs[False]))
-    assert same >= 0.9 * max(len(runs[True]), len(runs[False]))
+        fuse_target_norms(model)
+    same_tokens = sum(a == b for a, b in zip(runs[True][0], runs[False][0]))
+    assert same_tokens >= 0.9 * len(runs[False][0])
+    same = sum(a == b for a, b in zip(runs[True][1], runs[False][1]))
+    assert same >= 0.9 * max(len(runs[True][1]), len(runs[False][1]))
 
 
 def test_block_loss_with_the_triton_kernel_equals_the_compiled_chunks_on_gpu():

@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from conftest import tiny_target_config
 from dflash_train.core import drafter as drafter_code
 from dflash_train.core.drafter import RMSNorm
-from dflash_train.engine.proposer import use_norm_kernel
+from dflash_train.engine import norms
+from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
 
 HERE = Path(__file__).resolve().parent
 
@@ -96,3 +103,39 @@ def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
     with torch.no_grad():
         norm(x)  # a CPU tensor: the eager rule
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_probe_finds_the_rule_in_llama_and_qwen_norms_not_in_gemma(dtype):
+    """The target's norms run the kernel only where their own forward computes the drafter's
+    rule bit for bit (engine/norms.py): transformers' Llama, Qwen2 and Qwen3 norms do; Gemma's
+    (1 + weight, in float32) does not."""
+    for cls, follows in ((LlamaRMSNorm, True), (Qwen2RMSNorm, True), (Qwen3RMSNorm, True), (GemmaRMSNorm, False)):
+        norm = cls(64, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.normal_(0.5, 0.1)
+        assert norms._follows_the_rule(norm) is follows, cls.__name__
+
+
+def test_target_norms_are_fused_where_the_kernel_runs_and_given_back(monkeypatch):
+    """On a CUDA device (here pretended, with a kernel that records its calls), every norm of a
+    Llama-shaped target is fused; on CPU tensors the fused forward is the module's own; `False`
+    gives every module its class's forward back. On a real CPU nothing is fused."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_target_config()).eval()
+    assert fuse_target_norms(model) == 0
+    layers = model.config.num_hidden_layers
+    calls = []
+    monkeypatch.setattr(norms, "kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(norms, "_kernel", lambda: lambda x, w, eps: calls.append(x) or x)
+    assert fuse_target_norms(model) == 2 * layers + 1  # two a layer and the final one
+    assert fuse_target_norms(model) == 2 * layers + 1  # again: the same modules, not wrapped twice
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        fused = model(ids).logits
+    assert calls == []  # CPU tensors: each module's own forward
+    assert fuse_target_norms(model, False) == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fused)

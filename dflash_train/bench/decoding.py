@@ -32,7 +32,8 @@ from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.core.target import load_target_model
 from dflash_train.engine.decode import PREFILL_TOKENS
 from dflash_train.engine.decoder import Decoder
-from dflash_train.engine.proposer import DFlashProposer, use_norm_kernel
+from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
+from dflash_train.engine.proposer import DFlashProposer
 from dflash_train.engine.slots import SlotDecoder
 
 DEFAULT_ROWS = (1, 64, 256, 512)
@@ -198,10 +199,12 @@ def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tupl
 def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0,
               attention: str = "auto", norm_kernel: bool = True) -> dict:
     """Batch-1 ms per token of target-only and speculative decoding on one engine (graphs
-    captured first), and the cost of a speculative cycle in target decode steps; the drafter's
-    norms as one kernel each where `norm_kernel` and the device allow (proposer.use_norm_kernel)."""
+    captured first), and the cost of a speculative cycle in target decode steps; the target's
+    and the drafter's norms as one kernel each where `norm_kernel` and the device allow
+    (engine/norms.py), else by their own forward."""
     proposer = DFlashProposer.for_target(drafter, model, graphs=graphs, norm_kernel=norm_kernel)
     engine = Decoder(model, proposer, graphs=graphs, attention=attention)
+    target_norms = fuse_target_norms(model, norm_kernel)
     prompts = _prompts(turns, (prompt_len, prompt_len), int(model.config.vocab_size), seed)
     engine.capture(rows=1, capacity=prompt_len + new_tokens + 2 * BLOCK_SIZE + 2)
     base_s = base_n = spec_s = spec_n = cycles = 0
@@ -219,6 +222,7 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
             "spec_ms_per_cycle": cycle_ms, "cycle_in_target_steps": cycle_ms / step_ms,
             "tau": (spec_n - len(prompts)) / max(cycles, 1), "capture_s": engine.capture_seconds,
             "attention": engine.target.attention, "norm_kernel": drafter_code.norm_kernel is not None,
+            "target_norms_fused": target_norms,
             "graphs_captured": engine.target.graphs.num_captured + proposer.graphs.num_captured}
 
 
@@ -253,15 +257,16 @@ def run_decode_bench(bench: DecodeBench = DecodeBench(), *, target: str | None =
                 f"(capture {entry['capture_s']:.1f} s, attention {entry['attention']}, overlap {entry['overlap']})")
             if profiled is not None:
                 log(f"bench decode: {PROFILE_STEPS} steps at {r} rows profiled: {profiled}")
-        # On a GPU with graphs, the drafter's norms also by the eager rule: what their kernel saves
+        # On a GPU with graphs, the norms also by their own forward: what their kernel saves
         for norm_kernel in ([True, False] if graphs else [True]):
             entry = batch_one(model, drafter, graphs=graphs, new_tokens=requests.new_tokens,
                               prompt_len=requests.prompt_lengths[1], turns=bench.turns, attention=engine.attention,
                               norm_kernel=norm_kernel)
             report["batch_one"].append(entry)
-            log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}, drafter norms "
+            log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}, norms "
                 f"{'as one kernel' if entry['norm_kernel'] else 'eager'}: target {entry['target_ms_per_token']:.2f} "
                 f"ms/token, speculative cycle {entry['spec_ms_per_cycle']:.2f} ms = "
                 f"{entry['cycle_in_target_steps']:.2f} target steps (capture {entry['capture_s']:.1f} s)")
     use_norm_kernel(dev)
+    fuse_target_norms(model)
     return report

@@ -453,16 +453,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Grad first: training's compiled layers never read (nor guard on) the kernel.
-        if not torch.is_grad_enabled() and norm_kernel is not None and x.is_cuda and x.dtype == self.weight.dtype \
+        # Where autograd records nothing; checked first, so that training's compiled layers
+        # never read (nor guard on) the kernel.
+        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                and norm_kernel is not None and x.is_cuda and x.dtype == self.weight.dtype \
                 and not torch.is_autocast_enabled(x.device.type):
             return norm_kernel(x, self.weight, self.eps)
-        # Normalise in fp32 (bf16 activations of Qwen3 have outliers), scale in input dtype.
-        # The result keeps the input's dtype also where the weight is float32 (training's master
-        # weights under autocast), as it does in serving's bf16: no float32 activations.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype)).to(x.dtype)
+        return rms_norm_rule(x, self.weight, self.eps)
+
+
+def rms_norm_rule(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The drafter's RMSNorm (that of transformers' Llama and Qwen norms): normalise in fp32
+    (bf16 activations of Qwen3 have outliers), round to the input's dtype, scale by the weight.
+    The result keeps the input's dtype also where the weight is float32 (training's master
+    weights under autocast), as it does in serving's bf16: no float32 activations."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32.to(x.dtype)).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

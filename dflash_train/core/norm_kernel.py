@@ -8,11 +8,11 @@ rounded again (what transformers' Llama-style norms and serving engines' norm ke
 the order of the float32 sum of squares differs from torch's mean, so an output can differ by
 one unit in the last place where a value lies on a rounding boundary.
 
-The decoding engine hands it to drafter.py (`drafter.norm_kernel`) on a GPU: a speculative
-cycle of an 8-layer drafter runs 34 norms, most of its kernels where each is launched alone.
-Training and autocast keep the eager rule (drafter.RMSNorm: grad enabled, or float32 master
-weights under autocast). tests/test_norm_kernel.py holds it to the eager rule on CPU in Triton's
-interpreter; tests/test_gpu.py on the GPU.
+The decoding engine runs it on a GPU (engine/norms.py) for the drafter's norms (a speculative
+cycle of an 8-layer drafter runs 34 of them) and for the target's norms that follow the same
+rule (transformers' Llama and Qwen norms: two a layer). Training keeps the eager rule.
+tests/test_norm_kernel.py holds it to the eager rule on CPU in Triton's interpreter;
+tests/test_gpu.py on the GPU.
 
 Shape legend: M rows (every leading dimension), N the normalised size.
 """

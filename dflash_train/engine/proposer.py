@@ -17,17 +17,16 @@ B block size, W key columns read by a forward.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from dflash_train.core import drafter as drafter_code
 from dflash_train.core.attention import causal_position_mask
 from dflash_train.core.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterCache
 from dflash_train.engine.decode import PREFILL_GRAPH_ROWS, StaticCache, pick, row_buckets, width_buckets
 from dflash_train.engine.graphs import Graphs
+from dflash_train.engine.norms import use_norm_kernel
 
 
 class Proposer(Protocol):
@@ -49,21 +48,6 @@ class Proposer(Protocol):
                       context_len_R: torch.Tensor, max_anchor: int) -> torch.Tensor: ...
 
     def keep_rows(self, index_R: torch.Tensor) -> None: ...
-
-
-def use_norm_kernel(device: torch.device, wanted: bool = True) -> bool:
-    """On a CUDA device with Triton (and `wanted`), the drafter's norms run in inference as one
-    kernel each (core/norm_kernel.py), else by the eager rule; returns whether the kernel is on.
-    Process-wide (drafter.norm_kernel): training's own steps keep the eager rule either way."""
-    on = wanted and device.type == "cuda" and importlib.util.find_spec("triton") is not None
-    if on:
-        # Triton comes with CUDA builds of torch only: imported where the kernel runs.
-        from dflash_train.core.norm_kernel import triton_rms_norm
-
-        drafter_code.norm_kernel = triton_rms_norm
-    elif device.type == "cuda":
-        drafter_code.norm_kernel = None
-    return on
 
 
 class DFlashProposer:
