@@ -39,6 +39,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def in_triton_interpreter(module: str, case: str) -> None:
+    """Run `module.case()` (a test module's check) in a child process under Triton's interpreter
+    (TRITON_INTERPRET=1, on CPU: the interpreter is chosen when a kernel is defined)."""
+    pytest.importorskip("triton", reason="the Triton kernels' tests need the triton package (the test extra)")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    run = subprocess.run([sys.executable, "-c", f"import {module} as t; t.{case}()"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def hold_lock_in_child(lock_file: Path) -> subprocess.Popen:
     """A process that holds `lock_file` (as a run or a regeneration holds its own) until killed."""
     script = ("import sys, time; from pathlib import Path; from dflash_train.core import locks\n"

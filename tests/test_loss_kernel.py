@@ -5,26 +5,14 @@ interpreter is chosen when the kernel is defined). tests/test_gpu.py runs it com
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import in_triton_interpreter
 from dflash_train.core.config import ConfigError, load_config, validate
 from dflash_train.core.loss import LossSettings
 from dflash_train.train.compilation import Compilation, loss_kernel
-
-HERE = Path(__file__).resolve().parent
-
-
-def _interpreted(case: str) -> None:
-    pytest.importorskip("triton", reason="the loss kernel's tests need the triton package (the test extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    code = f"import test_loss_kernel as t; t.{case}()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def _chunk_case(seed: int, C: int, H: int, V: int, dtype):
@@ -127,19 +115,19 @@ def check_block_loss_kernels_agree() -> None:
 
 
 def test_kernel_chunk_equals_torch_chunk_and_float64_autograd():
-    _interpreted("check_chunk_against_torch_and_float64")
+    in_triton_interpreter("test_loss_kernel", "check_chunk_against_torch_and_float64")
 
 
 def test_kernel_softmax_covers_every_column():
-    _interpreted("check_softmax_covers_every_column")
+    in_triton_interpreter("test_loss_kernel", "check_softmax_covers_every_column")
 
 
 def test_kernel_argmax_takes_the_first_maximal_column():
-    _interpreted("check_argmax_ties_take_the_first_column")
+    in_triton_interpreter("test_loss_kernel", "check_argmax_ties_take_the_first_column")
 
 
 def test_block_loss_with_the_kernel_equals_torch():
-    _interpreted("check_block_loss_kernels_agree")
+    in_triton_interpreter("test_loss_kernel", "check_block_loss_kernels_agree")
 
 
 def test_block_loss_refuses_the_kernel_for_distillation():

@@ -6,33 +6,19 @@ where the engine uses it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from conftest import tiny_target_config
+from conftest import in_triton_interpreter, tiny_target_config
 from dflash_train.core import drafter as drafter_code
 from dflash_train.core.drafter import RMSNorm
 from dflash_train.engine import norms
 from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
-
-HERE = Path(__file__).resolve().parent
-
-
-def _interpreted(case: str) -> None:
-    pytest.importorskip("triton", reason="the norm kernel's tests need the triton package (the test extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    code = f"import test_norm_kernel as t; t.{case}()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,7 +73,7 @@ def check_kernel_equals_the_eager_rule() -> None:
 
 
 def test_kernel_equals_the_eager_rule_in_the_interpreter():
-    _interpreted("check_kernel_equals_the_eager_rule")
+    in_triton_interpreter("test_norm_kernel", "check_kernel_equals_the_eager_rule")
 
 
 def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
