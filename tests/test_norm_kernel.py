@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -94,9 +95,10 @@ def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_probe_finds_the_rule_in_llama_and_qwen_norms_not_in_gemma(dtype):
     """The target's norms run the kernel only where their own forward computes the drafter's
-    rule bit for bit (engine/norms.py): transformers' Llama, Qwen2 and Qwen3 norms do; Gemma's
+    rule bit for bit (engine/norms.py): transformers' Llama, Mistral, Qwen2 and Qwen3 norms do; Gemma's
     (1 + weight, in float32) does not."""
-    for cls, follows in ((LlamaRMSNorm, True), (Qwen2RMSNorm, True), (Qwen3RMSNorm, True), (GemmaRMSNorm, False)):
+    for cls, follows in ((LlamaRMSNorm, True), (MistralRMSNorm, True), (Qwen2RMSNorm, True), (Qwen3RMSNorm, True),
+                         (GemmaRMSNorm, False)):
         norm = cls(64, eps=1e-6).to(dtype)
         with torch.no_grad():
             norm.weight.normal_(0.5, 0.1)
@@ -123,5 +125,10 @@ def test_target_norms_are_fused_where_the_kernel_runs_and_given_back(monkeypatch
     assert calls == []  # CPU tensors: each module's own forward
     assert fuse_target_norms(model, False) == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
+    hooked = model.model.norm
+    hooked.forward = lambda x: x  # a forward someone else set (an offloading hook, say)
+    assert fuse_target_norms(model) == 2 * layers and fuse_target_norms(model, False) == 0
+    assert "forward" in hooked.__dict__
+    del hooked.forward
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fused)

@@ -7,7 +7,8 @@ instead of its eight eager kernels, each launched alone even inside a CUDA graph
 - the target's (`fuse_target_norms`): each norm module of the target whose own forward computes
   that rule, bit for bit on a probe (transformers' Llama, Qwen, Mistral norms do; Gemma's, which
   scale by 1 + weight in float32, do not), runs it as the kernel in inference. Its forward
-  becomes an instance attribute; `fuse_target_norms(model, False)` gives the class's back.
+  becomes an instance attribute (never over one set by someone else, such as a hook);
+  `fuse_target_norms(model, False)` gives the class's back.
 Training never takes the kernel: where autograd records (the drafter's steps), under autocast
 (the walk's float32 master weights), in code being compiled and on CPU tensors each module keeps
 its own forward.
@@ -54,13 +55,21 @@ def fuse_target_norms(model: torch.nn.Module, wanted: bool = True) -> int:
     for module in model.modules():
         if not _norm_like(module):
             continue
-        module.__dict__.pop("forward", None)  # the class's own forward again
+        if _fused(module):
+            del module.forward  # the class's own forward again
+        if "forward" in module.__dict__:  # a forward set by someone else (a hook): left as it is
+            continue
         if on and type(module) not in verdicts:
             verdicts[type(module)] = _follows_the_rule(module)
         if on and verdicts[type(module)]:
             module.forward = functools.partial(_kernel_or_own, module, _kernel())
             fused += 1
     return fused
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _kernel_or_own
 
 
 def _kernel():
