@@ -248,11 +248,11 @@ def test_norm_kernel_equals_the_eager_rule_on_gpu(dtype):
 
 
 def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monkeypatch):
-    """With the engine's kernel set, a drafter norm takes it where autograd records nothing, at
-    its weight's dtype; where it records (training), under autocast (the walk's float32 master
-    weights) or at another dtype it keeps the eager rule."""
-    from dflash_train.core import drafter as drafter_code
+    """Fused by the engine (norms.fuse_norms), a drafter norm takes the kernel where autograd
+    records nothing, at its weight's dtype; where it records (training), under autocast (the
+    walk's float32 master weights) or at another dtype it keeps the eager rule."""
     from dflash_train.core.drafter import RMSNorm
+    from dflash_train.engine import norms
 
     calls = []
 
@@ -260,8 +260,10 @@ def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monk
         calls.append(x.dtype)
         return x
 
-    monkeypatch.setattr(drafter_code, "norm_kernel", kernel)
+    monkeypatch.setattr(norms, "_kernel", lambda: kernel)
     norm = RMSNorm(64, 1e-6).cuda().to(torch.bfloat16)
+    wide = RMSNorm(64, 1e-6).cuda()  # a float32 weight
+    assert norms.fuse_norms(norm) == 1 and norms.fuse_norms(wide) == 1
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         norm(x)
@@ -269,7 +271,7 @@ def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monk
     norm(x)  # grad enabled, a weight that trains
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         norm(x)
-        RMSNorm(64, 1e-6).cuda()(x)  # a float32 weight
+        wide(x)
     assert calls == [torch.bfloat16]
     norm.requires_grad_(False)
     norm(x)  # grad enabled, but nothing to record (a frozen module, as the engine's are)
@@ -283,7 +285,7 @@ def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_
     for bf16 near-ties."""
     from dflash_train.bench.decoding import build_models
     from dflash_train.engine.decoder import Decoder
-    from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
+    from dflash_train.engine.norms import fuse_norms
     from dflash_train.engine.proposer import DFlashProposer
 
     model, drafter = build_models(None, torch.device("cuda"), torch.bfloat16, num_layers=3)
@@ -292,7 +294,7 @@ def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_
     try:
         for kernel in (True, False):
             engine = Decoder(model, DFlashProposer.for_target(drafter, model, norm_kernel=kernel))
-            fused = fuse_target_norms(model, kernel)
+            fused = fuse_norms(model, kernel)
             assert fused == (2 * model.config.num_hidden_layers + 1 if kernel else 0)
             base = engine.generate([prompt], 64)[0]
             spec = engine.speculate([prompt], 64)[0]
@@ -300,8 +302,7 @@ def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_
             assert spec.output_ids == base.output_ids
             runs[kernel] = (base.output_ids, spec.acceptance_lengths)
     finally:
-        use_norm_kernel(torch.device("cuda"))
-        fuse_target_norms(model)
+        fuse_norms(model), fuse_norms(drafter)
     same_tokens = sum(a == b for a, b in zip(runs[True][0], runs[False][0]))
     assert same_tokens >= 0.9 * len(runs[False][0])
     same = sum(a == b for a, b in zip(runs[True][1], runs[False][1]))

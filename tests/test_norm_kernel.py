@@ -16,10 +16,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from conftest import in_triton_interpreter, tiny_target_config
-from dflash_train.core import drafter as drafter_code
 from dflash_train.core.drafter import RMSNorm
 from dflash_train.engine import norms
-from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
+from dflash_train.engine.norms import fuse_norms
 
 
 def eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,13 +78,14 @@ def test_kernel_equals_the_eager_rule_in_the_interpreter():
 
 def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
     """On CPU the drafter's norms keep the eager rule whatever is asked, also where a kernel is
-    set (tests/test_gpu.py checks grad, autocast and dtypes on the GPU)."""
-    monkeypatch.setattr(drafter_code, "norm_kernel", None)
-    assert not use_norm_kernel(torch.device("cpu"))
-    assert drafter_code.norm_kernel is None
-    calls = []
-    monkeypatch.setattr(drafter_code, "norm_kernel", lambda x, w, eps: calls.append(x) or x)
+    handed in (tests/test_gpu.py checks grad, autocast and dtypes on the GPU)."""
     norm = RMSNorm(8, 1e-6)
+    assert fuse_norms(norm) == 0
+    assert "forward" not in norm.__dict__
+    calls = []
+    monkeypatch.setattr(norms, "kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(norms, "_kernel", lambda: lambda x, w, eps: calls.append(x) or x)
+    assert fuse_norms(norm) == 1  # the drafter's own rule passes the probe
     x = torch.randn(2, 8)
     with torch.no_grad():
         norm(x)  # a CPU tensor: the eager rule
@@ -94,7 +94,7 @@ def test_the_engine_turns_the_kernel_on_only_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_probe_finds_the_rule_in_llama_and_qwen_norms_not_in_gemma(dtype):
-    """The target's norms run the kernel only where their own forward computes the drafter's
+    """Norms run the kernel only where their own forward computes the drafter's
     rule bit for bit (engine/norms.py): transformers' Llama, Mistral, Qwen2 and Qwen3 norms do; Gemma's
     (1 + weight, in float32) does not."""
     for cls, follows in ((LlamaRMSNorm, True), (MistralRMSNorm, True), (Qwen2RMSNorm, True), (Qwen3RMSNorm, True),
@@ -112,22 +112,22 @@ def test_target_norms_are_fused_where_the_kernel_runs_and_given_back(monkeypatch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(tiny_target_config()).eval()
-    assert fuse_target_norms(model) == 0
+    assert fuse_norms(model) == 0
     layers = model.config.num_hidden_layers
     calls = []
     monkeypatch.setattr(norms, "kernel_runs_on", lambda device: True)
     monkeypatch.setattr(norms, "_kernel", lambda: lambda x, w, eps: calls.append(x) or x)
-    assert fuse_target_norms(model) == 2 * layers + 1  # two a layer and the final one
-    assert fuse_target_norms(model) == 2 * layers + 1  # again: the same modules, not wrapped twice
+    assert fuse_norms(model) == 2 * layers + 1  # two a layer and the final one
+    assert fuse_norms(model) == 2 * layers + 1  # again: the same modules, not wrapped twice
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         fused = model(ids).logits
     assert calls == []  # CPU tensors: each module's own forward
-    assert fuse_target_norms(model, False) == 0
+    assert fuse_norms(model, False) == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
     hooked = model.model.norm
     hooked.forward = lambda x: x  # a forward someone else set (an offloading hook, say)
-    assert fuse_target_norms(model) == 2 * layers and fuse_target_norms(model, False) == 0
+    assert fuse_norms(model) == 2 * layers and fuse_norms(model, False) == 0
     assert "forward" in hooked.__dict__
     del hooked.forward
     with torch.no_grad():

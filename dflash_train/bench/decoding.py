@@ -26,13 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_train.bench.workloads import SMOLLM2_135M
-from dflash_train.core import drafter as drafter_code
 from dflash_train.core.devices import resolve_device, resolve_dtype, synchronize
 from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.core.target import load_target_model
 from dflash_train.engine.decode import PREFILL_TOKENS
 from dflash_train.engine.decoder import Decoder
-from dflash_train.engine.norms import fuse_target_norms, use_norm_kernel
+from dflash_train.engine.norms import fuse_norms
 from dflash_train.engine.proposer import DFlashProposer
 from dflash_train.engine.slots import SlotDecoder
 
@@ -204,7 +203,8 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
     (engine/norms.py), else by their own forward."""
     proposer = DFlashProposer.for_target(drafter, model, graphs=graphs, norm_kernel=norm_kernel)
     engine = Decoder(model, proposer, graphs=graphs, attention=attention)
-    target_norms = fuse_target_norms(model, norm_kernel)
+    # the engine fused them where it could; counted (and given back where not wanted) here
+    target_norms, drafter_norms = fuse_norms(model, norm_kernel), fuse_norms(drafter, norm_kernel)
     prompts = _prompts(turns, (prompt_len, prompt_len), int(model.config.vocab_size), seed)
     engine.capture(rows=1, capacity=prompt_len + new_tokens + 2 * BLOCK_SIZE + 2)
     base_s = base_n = spec_s = spec_n = cycles = 0
@@ -221,7 +221,7 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
     return {"graphs": graphs, "target_ms_per_token": step_ms, "spec_ms_per_token": token_ms,
             "spec_ms_per_cycle": cycle_ms, "cycle_in_target_steps": cycle_ms / step_ms,
             "tau": (spec_n - len(prompts)) / max(cycles, 1), "capture_s": engine.capture_seconds,
-            "attention": engine.target.attention, "norm_kernel": drafter_code.norm_kernel is not None,
+            "attention": engine.target.attention, "norm_kernel": drafter_norms > 0,
             "target_norms_fused": target_norms,
             "graphs_captured": engine.target.graphs.num_captured + proposer.graphs.num_captured}
 
@@ -267,6 +267,5 @@ def run_decode_bench(bench: DecodeBench = DecodeBench(), *, target: str | None =
                 f"{'as one kernel' if entry['norm_kernel'] else 'eager'}: target {entry['target_ms_per_token']:.2f} "
                 f"ms/token, speculative cycle {entry['spec_ms_per_cycle']:.2f} ms = "
                 f"{entry['cycle_in_target_steps']:.2f} target steps (capture {entry['capture_s']:.1f} s)")
-    use_norm_kernel(dev)
-    fuse_target_norms(model)
+    fuse_norms(model), fuse_norms(drafter)
     return report

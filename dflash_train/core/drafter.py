@@ -440,12 +440,6 @@ class DrafterCache:
 # --------------------------------------------------------------------------- modules
 
 
-# The rule of RMSNorm as one kernel, `fn(x, weight, eps)`, for inference on CUDA: the decoding
-# engine hands one in (dflash_train/core/norm_kernel.py); None (consumers of an export,
-# training): the eager rule below, which it must equal.
-norm_kernel = None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -453,17 +447,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Where autograd records nothing; checked first, so that training's compiled layers
-        # never read (nor guard on) the kernel.
-        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
-                and norm_kernel is not None and x.is_cuda and x.dtype == self.weight.dtype \
-                and not torch.is_autocast_enabled(x.device.type):
-            return norm_kernel(x, self.weight, self.eps)
         return rms_norm_rule(x, self.weight, self.eps)
 
 
 def rms_norm_rule(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The drafter's RMSNorm (that of transformers' Llama and Qwen norms): normalise in fp32
+    """The drafter's RMSNorm (that of transformers' Llama and Qwen norms; the decoding engine
+    runs it as one kernel on a GPU, dflash_train/engine/norms.py): normalise in fp32
     (bf16 activations of Qwen3 have outliers), round to the input's dtype, scale by the weight.
     The result keeps the input's dtype also where the weight is float32 (training's master
     weights under autocast), as it does in serving's bf16: no float32 activations."""

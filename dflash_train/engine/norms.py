@@ -2,16 +2,14 @@
 
 Owns where the engine runs the RMSNorm rule (drafter.rms_norm_rule) as one Triton kernel
 instead of its eight eager kernels, each launched alone even inside a CUDA graph:
-- the drafter's norms (`use_norm_kernel`): drafter.RMSNorm takes the kernel handed to
-  drafter.py, process-wide, in inference;
-- the target's (`fuse_target_norms`): each norm module of the target whose own forward computes
-  that rule, bit for bit on a probe (transformers' Llama, Qwen, Mistral norms do; Gemma's, which
-  scale by 1 + weight in float32, do not), runs it as the kernel in inference. Its forward
-  becomes an instance attribute (never over one set by someone else, such as a hook);
-  `fuse_target_norms(model, False)` gives the class's back.
+`fuse_norms(model)` gives each norm module of a model (the target's, the drafter's) whose own
+forward computes that rule, bit for bit on a probe, the kernel in inference. The drafter's
+norms do, and so do transformers' Llama, Mistral and Qwen norms; Gemma's, which scale by
+1 + weight in float32, do not. Its forward becomes an instance attribute (never over one set by
+someone else, such as a hook); `fuse_norms(model, False)` gives the class's back.
 Training never takes the kernel: where autograd records (the drafter's steps), under autocast
 (the walk's float32 master weights), in code being compiled and on CPU tensors each module keeps
-its own forward.
+its own forward. Exports carry drafter.py as it is: consumers run their own norms.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import importlib.util
 
 import torch
 
-from dflash_train.core import drafter as drafter_code
 from dflash_train.core.drafter import rms_norm_rule
 
 PROBE_ROWS = 8  # rows of the probe, of scales 1e-3 .. 1e3
@@ -32,30 +29,20 @@ def kernel_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def use_norm_kernel(device: torch.device, wanted: bool = True) -> bool:
-    """The drafter's norms in inference as one kernel each where `wanted` and the device allow
-    (kernel_runs_on), else by the eager rule; returns whether the kernel is on. Process-wide
-    (drafter.norm_kernel)."""
-    on = wanted and kernel_runs_on(device)
-    if on:
-        drafter_code.norm_kernel = _kernel()
-    elif device.type == "cuda":
-        drafter_code.norm_kernel = None
-    return on
-
-
-def fuse_target_norms(model: torch.nn.Module, wanted: bool = True) -> int:
-    """The target's norm modules that follow the rule run it as one kernel in inference, where
+def fuse_norms(model: torch.nn.Module, wanted: bool = True) -> int:
+    """The model's norm modules that follow the rule run it as one kernel in inference, where
     `wanted` and the device allow; else (and for the others) their own forward. Returns how many
     run the kernel."""
-    device = model.get_input_embeddings().weight.device
-    on = wanted and kernel_runs_on(device)
+    on = wanted and kernel_runs_on(next(model.parameters()).device)
     verdicts: dict[type, bool] = {}
     fused = 0
     for module in model.modules():
         if not _norm_like(module):
             continue
         if _fused(module):
+            if on:  # already: the probe said so when it was fused
+                fused += 1
+                continue
             del module.forward  # the class's own forward again
         if "forward" in module.__dict__:  # a forward set by someone else (a hook): left as it is
             continue
@@ -88,7 +75,7 @@ def _norm_like(module: torch.nn.Module) -> bool:
     """A leaf module with a 1-D weight and an epsilon: a norm the probe may check."""
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and _eps(module) is not None
-            and not isinstance(module, drafter_code.RMSNorm) and next(module.children(), None) is None)
+            and next(module.children(), None) is None)
 
 
 def _follows_the_rule(module: torch.nn.Module) -> bool:

@@ -26,7 +26,7 @@ from dflash_train.core.attention import causal_position_mask
 from dflash_train.core.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterCache
 from dflash_train.engine.decode import PREFILL_GRAPH_ROWS, StaticCache, pick, row_buckets, width_buckets
 from dflash_train.engine.graphs import Graphs
-from dflash_train.engine.norms import use_norm_kernel
+from dflash_train.engine.norms import fuse_norms
 
 
 class Proposer(Protocol):
@@ -65,7 +65,7 @@ class DFlashProposer:
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, graphs: bool = True,
                  norm_kernel: bool = True) -> None:
-        use_norm_kernel(embed_weight.device, norm_kernel)
+        fuse_norms(drafter, norm_kernel)
         self.drafter = drafter
         self.block_size = int(drafter.block_size)
         self.target_layer_ids = list(drafter.target_layer_ids)
