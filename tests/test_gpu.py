@@ -1,6 +1,6 @@
 """CUDA paths: compiled flex attention with the layout's BlockMask, forward and backward, against
 the dense path; bf16 train/serve consistency; the chunked loss on the GPU, compiled and eager,
-with hard labels and with distillation, and the Triton loss kernel against the torch chunk; the norm kernel against its eager rule, where the engine takes it for the drafter's and the target's norms;
+with hard labels and with distillation, and the Triton loss kernel against the torch chunk; the norm and rotation kernels against their eager rules, where the engine takes them for the drafter's and the target's modules;
 the BlockMask read off the layout against create_block_mask, with no host sync; the target's
 CUDA graphs against its forward without them; the side-stream packer against the plain one; and on two GPUs (NCCL), the losses of one GPU from colocated and
 disaggregated runs and from a checkpoint resumed on another topology. Skipped without a GPU (CI
@@ -227,12 +227,12 @@ def test_triton_loss_kernel_equals_the_torch_chunk_on_gpu(V):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_kernel_equals_the_eager_rule_on_gpu(dtype):
-    """The drafter's RMSNorm as one Triton kernel (core/norm_kernel.py) against its eager rule on
+    """The drafter's RMSNorm as one Triton kernel (core/kernels.py) against its eager rule on
     the drafter's shapes: bit for bit but for values a float32 sum in another order moves across
     a rounding boundary (one unit in the last place, rare)."""
-    from dflash_train.core.norm_kernel import triton_rms_norm
+    from dflash_train.core.kernels import triton_rms_norm
 
-    from test_norm_kernel import eager_norm
+    from test_kernels import eager_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in ((16, 9, 64), (1, 16, 576), (4, 33, 3, 64), (512, 576)):
@@ -247,23 +247,43 @@ def test_norm_kernel_equals_the_eager_rule_on_gpu(dtype):
             torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
-def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monkeypatch):
-    """Fused by the engine (norms.fuse_norms), a drafter norm takes the kernel where autograd
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotation_kernel_equals_the_eager_rule_on_gpu(dtype):
+    """The queries' and keys' rotation as one Triton kernel (core/kernels.py) against
+    drafter.QKRotation's eager rule, bit for bit, on the drafter's shapes (SmolLM2's heads, a
+    batch of rows, a head of 128, a head of 80)."""
+    from dflash_train.core.drafter import QKRotation
+    from dflash_train.core.kernels import triton_qk_rotation
+
+    from test_kernels import rotation_inputs
+
+    g = torch.Generator().manual_seed(0)
+    rotation = QKRotation()
+    for B, Hq, Hk, Q, S, D, batch_cos in ((1, 9, 3, 16, 32, 64, False), (64, 9, 3, 16, 48, 64, True),
+                                         (2, 32, 8, 16, 1040, 128, True), (3, 4, 2, 16, 16, 80, False)):
+        q, k, cos, sin = (t.cuda() for t in rotation_inputs(B, Hq, Hk, Q, S, D, dtype, g, batch_cos))
+        (got_q, got_k), (want_q, want_k) = triton_qk_rotation(q, k, cos, sin), rotation(q, k, cos, sin)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), (B, Hq, Hk, Q, S, D)
+
+
+def test_drafter_modules_take_their_kernel_only_in_inference_at_their_own_dtype(monkeypatch):
+    """Fused by the engine (fusion.fuse_kernels), a drafter norm takes the kernel where autograd
     records nothing, at its weight's dtype; where it records (training), under autocast (the
-    walk's float32 master weights) or at another dtype it keeps the eager rule."""
-    from dflash_train.core.drafter import RMSNorm
-    from dflash_train.engine import norms
+    walk's float32 master weights) or at another dtype it keeps the eager rule. A rotation takes
+    its kernel in half precision only."""
+    from dflash_train.core.drafter import QKRotation, RMSNorm
+    from dflash_train.engine import fusion
 
     calls = []
 
-    def kernel(x, w, eps):
+    def kernel(module, x):
         calls.append(x.dtype)
         return x
 
-    monkeypatch.setattr(norms, "_kernel", lambda: kernel)
+    monkeypatch.setattr(fusion, "_norm", kernel)
     norm = RMSNorm(64, 1e-6).cuda().to(torch.bfloat16)
     wide = RMSNorm(64, 1e-6).cuda()  # a float32 weight
-    assert norms.fuse_norms(norm) == 1 and norms.fuse_norms(wide) == 1
+    assert fusion.fuse_kernels(norm) == 1 and fusion.fuse_kernels(wide) == 1
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         norm(x)
@@ -277,15 +297,26 @@ def test_drafter_norms_take_the_kernel_only_in_inference_at_their_own_dtype(monk
     norm(x)  # grad enabled, but nothing to record (a frozen module, as the engine's are)
     assert calls == [torch.bfloat16] * 2
 
+    rotated = []
+    monkeypatch.setattr(fusion, "_rotation", lambda module, *qkcs: rotated.append(qkcs[0].dtype) or qkcs[:2])
+    rotation = QKRotation()
+    assert fusion.fuse_kernels(torch.nn.Sequential(torch.nn.Linear(1, 1).cuda(), rotation)) == 1
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 2, 4, 64, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            rotation(q, q, q[:, :1], q[:, :1])
+    assert rotated == [torch.bfloat16]
 
-def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_rule():
-    """Batch-1 decoding on the GPU with the target's and the drafter's norms as one kernel each
-    (and graphs): every norm of the Llama-shaped target is fused, speculative decoding gives the
-    target-only output, and both give the tokens and acceptance lengths of the eager rule but
-    for bf16 near-ties."""
+
+def test_speculation_with_the_kernels_is_lossless_and_decodes_as_the_eager_rules():
+    """Batch-1 decoding on the GPU with the target's and the drafter's norms and the drafter's
+    rotations as one kernel each (and graphs): every norm of the Llama-shaped target is fused,
+    and every norm and rotation of the drafter; speculative decoding gives the target-only
+    output, and both give the tokens and acceptance lengths of the eager rules but for bf16
+    near-ties."""
     from dflash_train.bench.decoding import build_models
     from dflash_train.engine.decoder import Decoder
-    from dflash_train.engine.norms import fuse_norms
+    from dflash_train.engine.fusion import KINDS, fuse_kernels
     from dflash_train.engine.proposer import DFlashProposer
 
     model, drafter = build_models(None, torch.device("cuda"), torch.bfloat16, num_layers=3)
@@ -293,16 +324,17 @@ def test_speculation_with_the_norm_kernels_is_lossless_and_decodes_as_the_eager_
     runs = {}
     try:
         for kernel in (True, False):
-            engine = Decoder(model, DFlashProposer.for_target(drafter, model, norm_kernel=kernel))
-            fused = fuse_norms(model, kernel)
-            assert fused == (2 * model.config.num_hidden_layers + 1 if kernel else 0)
+            kinds = KINDS if kernel else ()
+            engine = Decoder(model, DFlashProposer.for_target(drafter, model, kernels=kinds))
+            fused = fuse_kernels(model, kinds), fuse_kernels(drafter, kinds)
+            assert fused == ((2 * model.config.num_hidden_layers + 1, 5 * 3 + 2) if kernel else (0, 0))
             base = engine.generate([prompt], 64)[0]
             spec = engine.speculate([prompt], 64)[0]
             engine.close()
             assert spec.output_ids == base.output_ids
             runs[kernel] = (base.output_ids, spec.acceptance_lengths)
     finally:
-        fuse_norms(model), fuse_norms(drafter)
+        fuse_kernels(model), fuse_kernels(drafter)
     same_tokens = sum(a == b for a, b in zip(runs[True][0], runs[False][0]))
     assert same_tokens >= 0.9 * len(runs[False][0])
     same = sum(a == b for a, b in zip(runs[True][1], runs[False][1]))

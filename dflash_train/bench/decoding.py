@@ -31,7 +31,7 @@ from dflash_train.core.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.core.target import load_target_model
 from dflash_train.engine.decode import PREFILL_TOKENS
 from dflash_train.engine.decoder import Decoder
-from dflash_train.engine.norms import fuse_norms
+from dflash_train.engine.fusion import KINDS, fuse_kernels
 from dflash_train.engine.proposer import DFlashProposer
 from dflash_train.engine.slots import SlotDecoder
 
@@ -196,15 +196,15 @@ def profile_regeneration(slots, rows: int, new_tokens: int, prompt_lengths: tupl
 
 
 def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int, turns: int, seed: int = 0,
-              attention: str = "auto", norm_kernel: bool = True) -> dict:
+              attention: str = "auto", kernels: tuple[str, ...] = KINDS) -> dict:
     """Batch-1 ms per token of target-only and speculative decoding on one engine (graphs
-    captured first), and the cost of a speculative cycle in target decode steps; the target's
-    and the drafter's norms as one kernel each where `norm_kernel` and the device allow
-    (engine/norms.py), else by their own forward."""
-    proposer = DFlashProposer.for_target(drafter, model, graphs=graphs, norm_kernel=norm_kernel)
+    captured first), and the cost of a speculative cycle in target decode steps; the `kernels`
+    kinds of the target and the drafter (engine/fusion.py) as one kernel each where the device
+    allows, the rest by their own forward."""
+    proposer = DFlashProposer.for_target(drafter, model, graphs=graphs, kernels=kernels)
     engine = Decoder(model, proposer, graphs=graphs, attention=attention)
-    # the engine fused them where it could; counted (and given back where not wanted) here
-    target_norms, drafter_norms = fuse_norms(model, norm_kernel), fuse_norms(drafter, norm_kernel)
+    # the engine fused all it could; counted (and given back where not wanted) here
+    target_fused, drafter_fused = fuse_kernels(model, kernels), fuse_kernels(drafter, kernels)
     prompts = _prompts(turns, (prompt_len, prompt_len), int(model.config.vocab_size), seed)
     engine.capture(rows=1, capacity=prompt_len + new_tokens + 2 * BLOCK_SIZE + 2)
     base_s = base_n = spec_s = spec_n = cycles = 0
@@ -221,8 +221,8 @@ def batch_one(model, drafter, *, graphs: bool, new_tokens: int, prompt_len: int,
     return {"graphs": graphs, "target_ms_per_token": step_ms, "spec_ms_per_token": token_ms,
             "spec_ms_per_cycle": cycle_ms, "cycle_in_target_steps": cycle_ms / step_ms,
             "tau": (spec_n - len(prompts)) / max(cycles, 1), "capture_s": engine.capture_seconds,
-            "attention": engine.target.attention, "norm_kernel": drafter_norms > 0,
-            "target_norms_fused": target_norms,
+            "attention": engine.target.attention, "kernels": list(kernels), "target_fused": target_fused,
+            "drafter_fused": drafter_fused,
             "graphs_captured": engine.target.graphs.num_captured + proposer.graphs.num_captured}
 
 
@@ -257,15 +257,16 @@ def run_decode_bench(bench: DecodeBench = DecodeBench(), *, target: str | None =
                 f"(capture {entry['capture_s']:.1f} s, attention {entry['attention']}, overlap {entry['overlap']})")
             if profiled is not None:
                 log(f"bench decode: {PROFILE_STEPS} steps at {r} rows profiled: {profiled}")
-        # On a GPU with graphs, the norms also by their own forward: what their kernel saves
-        for norm_kernel in ([True, False] if graphs else [True]):
+        # On a GPU with graphs, also without the rotations' kernel and without any: what each saves
+        for kernels in ([KINDS, ("norms",), ()] if graphs else [KINDS]):
             entry = batch_one(model, drafter, graphs=graphs, new_tokens=requests.new_tokens,
                               prompt_len=requests.prompt_lengths[1], turns=bench.turns, attention=engine.attention,
-                              norm_kernel=norm_kernel)
+                              kernels=kernels)
             report["batch_one"].append(entry)
-            log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}, norms "
-                f"{'as one kernel' if entry['norm_kernel'] else 'eager'}: target {entry['target_ms_per_token']:.2f} "
+            log(f"bench decode: batch 1 {'graphs' if graphs else 'eager '}, kernels "
+                f"{'+'.join(kernels) or 'none'} ({entry['target_fused']} target, {entry['drafter_fused']} drafter "
+                f"modules): target {entry['target_ms_per_token']:.2f} "
                 f"ms/token, speculative cycle {entry['spec_ms_per_cycle']:.2f} ms = "
                 f"{entry['cycle_in_target_steps']:.2f} target steps (capture {entry['capture_s']:.1f} s)")
-    fuse_norms(model), fuse_norms(drafter)
+    fuse_kernels(model), fuse_kernels(drafter)
     return report

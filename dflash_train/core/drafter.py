@@ -452,7 +452,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm_rule(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The drafter's RMSNorm (that of transformers' Llama and Qwen norms; the decoding engine
-    runs it as one kernel on a GPU, dflash_train/engine/norms.py): normalise in fp32
+    runs it as one kernel on a GPU, dflash_train/engine/fusion.py): normalise in fp32
     (bf16 activations of Qwen3 have outliers), round to the input's dtype, scale by the weight.
     The result keeps the input's dtype also where the weight is float32 (training's master
     weights under autocast), as it does in serving's bf16: no float32 activations."""
@@ -468,6 +468,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
+
+
+class QKRotation(nn.Module):
+    """RoPE of a layer's queries (the block's Q positions, the last of cos/sin) and keys (all S
+    positions): x * cos + rotate_half(x) * sin, each product and the sum in x's dtype. No
+    parameters: a module so that the decoding engine can run it as one kernel on a GPU
+    (dflash_train/engine/fusion.py) where eager PyTorch launches ten."""
+
+    def forward(self, q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, cos_B1SD: torch.Tensor,
+                sin_B1SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        Q = q_BHQD.shape[-2]
+        return _apply_rope(q_BHQD, cos_B1SD[:, :, -Q:], sin_B1SD[:, :, -Q:]), _apply_rope(k_BHSD, cos_B1SD, sin_B1SD)
 
 
 # The flex-attention function that layers call under a BlockMask (training). On CUDA the run
@@ -518,6 +530,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * Dh, H, bias=False)
         self.q_norm = RMSNorm(Dh, config.rms_norm_eps)
         self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
+        self.rotation = QKRotation()
 
     def forward(self, x_BQH, ctx_BTH, cos_BSD, sin_BSD, mask=None, cache=None) -> torch.Tensor:
         B, Q, _ = x_BQH.shape
@@ -527,9 +540,7 @@ class DFlashAttention(nn.Module):
         S = kv_in_BSH.shape[1]
         k_BHkvSD = self.k_norm(self.k_proj(kv_in_BSH).view(B, S, self.num_kv_heads, Dh)).transpose(1, 2)
         v_BHkvSD = self.v_proj(kv_in_BSH).view(B, S, self.num_kv_heads, Dh).transpose(1, 2)
-        cos, sin = cos_BSD[:, None], sin_BSD[:, None]
-        q_BHqQD = _apply_rope(q_BHqQD, cos[:, :, -Q:], sin[:, :, -Q:])
-        k_BHkvSD = _apply_rope(k_BHkvSD, cos, sin)
+        q_BHqQD, k_BHkvSD = self.rotation(q_BHqQD, k_BHkvSD, cos_BSD[:, None], sin_BSD[:, None])
         if cache is not None:
             k_BHkvSD, v_BHkvSD = cache.update(k_BHkvSD, v_BHkvSD, self.layer_idx)
         if isinstance(mask, dict):

@@ -49,7 +49,7 @@ from dflash_train.core.attention import (
 )
 from dflash_train.core.loss import accepted_run_length
 from dflash_train.engine.graphs import Graphs, _capturing
-from dflash_train.engine.norms import fuse_norms
+from dflash_train.engine.fusion import fuse_kernels
 from dflash_train.engine.sampling import choose
 
 # --------------------------------------------------------------------------- buckets
@@ -209,7 +209,7 @@ class TargetSteps:
         if attention not in self.ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(self.ATTENTION)}, got {attention!r}")
         register_attention()
-        fuse_norms(model)
+        fuse_kernels(model)
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.cache = StaticCache(rows, capacity)

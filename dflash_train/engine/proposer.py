@@ -26,7 +26,7 @@ from dflash_train.core.attention import causal_position_mask
 from dflash_train.core.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterCache
 from dflash_train.engine.decode import PREFILL_GRAPH_ROWS, StaticCache, pick, row_buckets, width_buckets
 from dflash_train.engine.graphs import Graphs
-from dflash_train.engine.norms import fuse_norms
+from dflash_train.engine.fusion import KINDS, fuse_kernels
 
 
 class Proposer(Protocol):
@@ -57,15 +57,15 @@ class DFlashProposer:
     the block's keys, written at its own positions, are overwritten by the next cycle's context
     before anything can see them again. The step (drafter layers, the target's lm_head, argmax)
     is one Graphs key per row and width bucket; the first cycle of a sequence, whose context is
-    the whole prompt, runs eagerly. On a GPU the drafter's norms run as one kernel each
-    (`norm_kernel`, engine/norms.py).
+    the whole prompt, runs eagerly. On a GPU the drafter's norms and rotations run as one
+    kernel each (`kernels`: the kinds of engine/fusion.py, all by default; () for none).
 
     `propose` is the reference it is checked against: one sequence, a growing DrafterCache of
     all earlier context, the block's keys/values never kept; no engine."""
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, graphs: bool = True,
-                 norm_kernel: bool = True) -> None:
-        fuse_norms(drafter, norm_kernel)
+                 kernels: tuple[str, ...] = KINDS) -> None:
+        fuse_kernels(drafter, kernels)
         self.drafter = drafter
         self.block_size = int(drafter.block_size)
         self.target_layer_ids = list(drafter.target_layer_ids)
@@ -80,11 +80,11 @@ class DFlashProposer:
         self.widths: list[int] = []
 
     @classmethod
-    def for_target(cls, drafter, model, graphs: bool = True, norm_kernel: bool = True) -> "DFlashProposer":
+    def for_target(cls, drafter, model, graphs: bool = True, kernels: tuple[str, ...] = KINDS) -> "DFlashProposer":
         """Uses the target's frozen embedding and lm_head (tied or not)."""
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
-        return cls(drafter, embed, head.weight if head is not None else embed, graphs=graphs, norm_kernel=norm_kernel)
+        return cls(drafter, embed, head.weight if head is not None else embed, graphs=graphs, kernels=kernels)
 
     def reset(self, rows: int = 1, capacity: int = 0) -> None:
         self.cache = self._new_cache()
