@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import SimulatedGraphs, tiny_drafter, tiny_target_config
+from dflash_train.core.attention import additive_mask, causal_position_mask
 from dflash_train.engine.decode import StaticCache, TargetSteps, pick, row_buckets, width_buckets
 from dflash_train.engine.decoder import Decoder
 from dflash_train.engine.graphs import Graphs
@@ -139,6 +140,29 @@ class _RecordingGraphs(Graphs):
         finally:
             self.capturing[0] = False
         return _Recorded(fn.__name__, self.log, self.capturing), outputs
+
+
+def check_additive_mask_attends_as_its_bool_mask(device: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 16, 32, generator=g).to(device, dtype)
+    k, v = (torch.randn(3, 2, 80, 32, generator=g).to(device, dtype) for _ in range(2))
+    anchors = torch.tensor([0, 20, 60], device=device)
+    block_pos = anchors[:, None] + torch.arange(16, device=device)
+    for visible in ((torch.arange(80, device=device) < (anchors + 16)[:, None])[:, None, None, :],
+                    causal_position_mask(block_pos, 80, window=24)):
+        mask = additive_mask(visible, dtype)
+        assert mask.dtype == dtype and torch.equal(mask == 0, visible)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_additive_mask_attends_as_its_bool_mask_bit_for_bit(dtype):
+    """The drafter's block step hands its layers additive masks made once (attention.additive_mask):
+    attention gives what it gives for the bool masks, full and sliding, rows of other lengths
+    (tests/test_gpu.py: on the GPU)."""
+    check_additive_mask_attends_as_its_bool_mask("cpu", dtype)
 
 
 def test_a_capture_never_destroys_an_unreachable_graph():

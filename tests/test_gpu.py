@@ -308,6 +308,15 @@ def test_drafter_modules_take_their_kernel_only_in_inference_at_their_own_dtype(
     assert rotated == [torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_additive_mask_attends_as_its_bool_mask_on_gpu(dtype):
+    """The drafter's block step's additive masks (attention.additive_mask) attend as the bool
+    masks they are made of, bit for bit, on the GPU's attention kernels."""
+    from test_decode import check_additive_mask_attends_as_its_bool_mask
+
+    check_additive_mask_attends_as_its_bool_mask("cuda", dtype)
+
+
 def test_speculation_with_the_kernels_is_lossless_and_decodes_as_the_eager_rules():
     """Batch-1 decoding on the GPU with the target's and the drafter's norms and the drafter's
     rotations as one kernel each (and graphs): every norm of the Llama-shaped target is fused,

@@ -55,6 +55,13 @@ def causal_position_mask(query_pos_RQ: torch.Tensor, width: int, window: int | N
     return visible & (q - key_W < window) if window else visible
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the one attention adds to its scores: 0 where visible, -inf elsewhere, in
+    the queries' dtype. What scaled_dot_product_attention makes of a bool mask itself, in about
+    four kernels on every call: made once, a forward's layers share it."""
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)
+
+
 def target_masks(config, query_pos_RQ: torch.Tensor, width: int):
     """The target's attention mask for a StaticCache forward, as transformers takes a prepared
     4-D mask (as given): one tensor, or a dict by layer type for models that mix full and

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from dflash_train.core.attention import causal_position_mask
+from dflash_train.core.attention import additive_mask, causal_position_mask
 from dflash_train.core.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterCache
 from dflash_train.engine.decode import PREFILL_GRAPH_ROWS, StaticCache, pick, row_buckets, width_buckets
 from dflash_train.engine.graphs import Graphs
@@ -168,9 +168,10 @@ class DFlashProposer:
             dtype = next(self.drafter.parameters()).dtype
             noise_emb = F.embedding(block_RB, self.embed_weight).to(dtype)
             key_W = torch.arange(width, device=device)
-            masks = {FULL_ATTENTION: (key_W < (anchor_R + B)[:, None])[:, None, None, :]}  # context + whole block
+            visible = {FULL_ATTENTION: (key_W < (anchor_R + B)[:, None])[:, None, None, :]}  # context + whole block
             if window:
-                masks[SLIDING_ATTENTION] = causal_position_mask(block_pos_RB, width, window)
+                visible[SLIDING_ATTENTION] = causal_position_mask(block_pos_RB, width, window)
+            masks = {kind: additive_mask(mask, dtype) for kind, mask in visible.items()}
             hidden_RBH = self.drafter(context_RTF.to(dtype), noise_emb, position_ids, attention_mask=masks,
                                       past_key_values=cache, use_cache=True)
             logits = hidden_RBH[:, 1:].to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
