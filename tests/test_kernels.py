@@ -7,6 +7,7 @@ runs the kernels compiled, bit for bit against the eager rules."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -147,15 +148,42 @@ def test_the_engine_turns_the_kernels_on_only_on_cuda(monkeypatch):
 def test_a_drafter_gets_its_norms_and_rotations_fused_by_kind(monkeypatch):
     """On a CUDA device (pretended), each of a drafter's layers has four norms and one rotation
     fused, and its two outer norms; `kinds` picks which; () gives every class's forward back."""
-    drafter = tiny_drafter(num_layers=3)
+    drafter = tiny_drafter(num_layers=3).to(torch.bfloat16)
     layers = drafter.config.num_hidden_layers
     monkeypatch.setattr(fusion, "kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(fusion, "_rotation", QKRotation.forward)  # the probe runs it: here the rule itself
     assert fuse_kernels(drafter) == 5 * layers + 2
     assert fuse_kernels(drafter, ("norms",)) == 4 * layers + 2
     assert not any("forward" in m.__dict__ for m in drafter.modules() if isinstance(m, QKRotation))
     assert fuse_kernels(drafter, ("rotations",)) == layers
     assert fuse_kernels(drafter, ()) == 0
     assert not any("forward" in m.__dict__ for m in drafter.modules())
+    assert fuse_kernels(drafter.float()) == 4 * layers + 2  # float32: the rotations keep their rule
+
+
+def test_a_rotation_kernel_that_fails_or_differs_on_its_probe_is_not_used(monkeypatch):
+    """The rotations take the kernel only where it ran on the model's device and gave the eager
+    rule's result bit for bit: a kernel that raises (a compiler's error, say) is said in a warning,
+    one off by a unit is left silently; the norms are fused either way."""
+    drafter = tiny_drafter(num_layers=2).to(torch.bfloat16)
+    monkeypatch.setattr(fusion, "kernel_runs_on", lambda device: True)
+
+    def fails(module, *inputs):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(fusion, "_rotation", fails)
+    with pytest.warns(UserWarning, match="rotation kernel does not run"):
+        assert fuse_kernels(drafter) == 4 * 2 + 2
+    fuse_kernels(drafter, ())
+
+    def off_by_a_unit(module, q, k, cos, sin):
+        q, k = QKRotation.forward(module, q, k, cos, sin)
+        return q, torch.nextafter(k, torch.full_like(k, float("inf")))
+
+    monkeypatch.setattr(fusion, "_rotation", off_by_a_unit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fuse_kernels(drafter) == 4 * 2 + 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -9,7 +9,8 @@ kernel of its rule, in inference:
   do not. The target's and the drafter's.
 - the drafter's rotations (drafter.QKRotation, RoPE of a layer's queries and keys): one launch
   instead of ten, in half precision (the kernel rounds each product and sum as eager does; in
-  float32 the compiler may fuse a product into the sum).
+  float32 the compiler may fuse a product into the sum), where the kernel gives the eager
+  rule's result bit for bit on a probe run on the model's device.
 The module's forward becomes an instance attribute (never over one set by someone else, such as
 a hook); `fuse_kernels(model, ())` gives the class's back. Training never takes a kernel:
 where autograd records (the drafter's steps), under autocast (the walk's float32 master
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from typing import Callable
 
 import torch
@@ -41,7 +43,8 @@ def fuse_kernels(model: torch.nn.Module, kinds: tuple[str, ...] = KINDS) -> int:
     """The model's modules of the `kinds` named (of KINDS; () for none) run their kernel in
     inference where the device allows; all others their own forward. Returns how many run a
     kernel."""
-    device_on = kernel_runs_on(next(model.parameters()).device)
+    weight = next(model.parameters())
+    device_on = kernel_runs_on(weight.device)
     verdicts: dict[type, bool] = {}
     fused = 0
     for module in model.modules():
@@ -57,7 +60,8 @@ def fuse_kernels(model: torch.nn.Module, kinds: tuple[str, ...] = KINDS) -> int:
         if "forward" in module.__dict__:  # a forward set by someone else (a hook): left as it is
             continue
         if on and type(module) not in verdicts:
-            verdicts[type(module)] = type(module) is QKRotation or _follows_the_rule(module)
+            verdicts[type(module)] = (_rotation_runs_its_rule(weight.device, weight.dtype) if kind == "rotations"
+                                      else _follows_the_rule(module))
         if on and verdicts[type(module)]:
             module.forward = functools.partial(_kernel_or_own, module, kernel)
             fused += 1
@@ -117,6 +121,28 @@ def _follows_the_rule(module: torch.nn.Module) -> bool:
         except (TypeError, RuntimeError):  # a forward that takes more than the hidden states
             return False
         return isinstance(own, torch.Tensor) and torch.equal(own, rms_norm_rule(x, weight, _eps(module)))
+
+
+def _rotation_runs_its_rule(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the rotation kernel runs on this device and gives drafter.QKRotation's result bit for
+    bit, on a probe of the drafter's shapes at the model's dtype (half precision: the kernel is
+    taken in it only). A kernel that fails here is not used: the eager rule runs instead."""
+    if dtype not in HALF_PRECISION:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(2, positions, heads, 64, device=device, generator=gen).to(dtype).transpose(1, 2)
+            for positions, heads in ((16, 3), (32, 1)))  # [2, 3, 16, 64] and [2, 1, 32, 64] views
+    angles = torch.rand(2, 1, 32, 32, device=device, generator=gen) * 1000
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    rotation = QKRotation()
+    with torch.no_grad():
+        want = rotation(q, k, cos, sin)
+        try:
+            got = _rotation(rotation, q, k, cos, sin)
+        except Exception as error:  # noqa: BLE001 (a compiler's or a driver's: any of them means not here)
+            warnings.warn(f"the drafter's rotation kernel does not run on {device} ({error!r}); its eager rule runs")
+            return False
+    return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _kernel_or_own(module, kernel, *inputs, **kwargs):
