@@ -1,7 +1,7 @@
-"""Element-wise rules of the drafter as one Triton kernel each, for inference on CUDA.
+"""Element-wise rules of the drafter as Triton kernels, for inference on CUDA.
 
-Each computes what its eager rule in drafter.py computes, with the same roundings, in one launch
-where eager PyTorch launches several (each paying its launch even inside a CUDA graph). The
+Each computes what its eager rule in drafter.py computes, with the same roundings, in one or two
+launches where eager PyTorch launches several (each paying its launch even inside a CUDA graph). The
 decoding engine runs them on a GPU (engine/fusion.py); training keeps the eager rules.
 
 - `triton_rms_norm(x, weight, eps)`: drafter.rms_norm_rule in one pass over the input instead of
@@ -13,7 +13,7 @@ decoding engine runs them on a GPU (engine/fusion.py); training keeps the eager 
   Used for the drafter's norms (34 a cycle of an 8-layer drafter) and the target's norms that
   follow the same rule (transformers' Llama and Qwen norms: two a layer).
 - `triton_qk_rotation(q, k, cos, sin)`: drafter.QKRotation (RoPE of a layer's queries and keys)
-  in one launch instead of ten (two products, a negation, a concatenation and a sum, for each).
+  in two launches instead of ten (two products, a negation, a concatenation and a sum, for each).
   Each product and the sum are rounded to the input's dtype as eager PyTorch rounds them, and
   there is nothing else to round: it equals the eager rule bit for bit.
 
@@ -59,26 +59,24 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @triton.jit
-def _rotate_row(x_ptr, row, H, P, sb, sh, sp, c_ptr, s_ptr, shift, cb, cp, o_ptr, ob, oh, op,
-                HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """RoPE of one row (b, h, p) of a [B, H, P, 2 * HALF] tensor of any strides, at the angle of
-    position shift + p of cos / sin [B, 1, shift + P, 2 * HALF] (last stride 1)."""
-    p = row % P
-    h = (row // P) % H
-    b = row // (P * H)
+def _rotation_rows_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, H, P, cos_batch_stride, HALF: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """RoPE of one row (b, p, h) of a contiguous [B, P, H, 2 * HALF] tensor, at the angle of row p
+    of batch b of cos / sin (rows of 2 * HALF, contiguous; batch b starts cos_batch_stride * b in)."""
+    row = tl.program_id(0).to(tl.int64)
+    p = (row // H) % P
+    b = row // (H * P)
     cols = tl.arange(0, BLOCK)
     inside = cols < HALF
-    x = x_ptr + b * sb + h * sh + p * sp
-    c = c_ptr + b * cb + (shift + p) * cp
-    s = s_ptr + b * cb + (shift + p) * cp
-    out = o_ptr + b * ob + h * oh + p * op
-    dtype = o_ptr.dtype.element_ty
+    x, out = x_ptr + row * (2 * HALF), out_ptr + row * (2 * HALF)
+    angle = b * cos_batch_stride + p * (2 * HALF)
+    dtype = out_ptr.dtype.element_ty
     x1 = tl.load(x + cols, mask=inside, other=0.0).to(tl.float32)
     x2 = tl.load(x + HALF + cols, mask=inside, other=0.0).to(tl.float32)
-    c1 = tl.load(c + cols, mask=inside, other=0.0).to(tl.float32)
-    c2 = tl.load(c + HALF + cols, mask=inside, other=0.0).to(tl.float32)
-    s1 = tl.load(s + cols, mask=inside, other=0.0).to(tl.float32)
-    s2 = tl.load(s + HALF + cols, mask=inside, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + angle + cols, mask=inside, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + angle + HALF + cols, mask=inside, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + angle + cols, mask=inside, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + angle + HALF + cols, mask=inside, other=0.0).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype, as eager does
     first = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
     second = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
@@ -86,42 +84,29 @@ def _rotate_row(x_ptr, row, H, P, sb, sh, sp, c_ptr, s_ptr, shift, cb, cp, o_ptr
     tl.store(out + HALF + cols, second.to(dtype), mask=inside)
 
 
-@triton.jit
-def _qk_rotation_kernel(q_ptr, qo_ptr, Hq, Q, qsb, qsh, qsp, qob, qoh, qop,
-                        k_ptr, ko_ptr, Hk, S, ksb, ksh, ksp, kob, koh, kop,
-                        c_ptr, s_ptr, cb, cp, q_rows, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """One program a row: the queries' rows first (at the last Q of the S angles), then the keys'."""
-    row = tl.program_id(0).to(tl.int64)
-    if row < q_rows:
-        _rotate_row(q_ptr, row, Hq, Q, qsb, qsh, qsp, c_ptr, s_ptr, S - Q, cb, cp, qo_ptr, qob, qoh, qop,
-                    HALF, BLOCK)
-    else:
-        _rotate_row(k_ptr, row - q_rows, Hk, S, ksb, ksh, ksp, c_ptr, s_ptr, 0, cb, cp, ko_ptr, kob, koh, kop,
-                    HALF, BLOCK)
-
-
 def triton_qk_rotation(q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, cos_B1SD: torch.Tensor,
                        sin_B1SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafter.QKRotation in one launch: the queries at the last Q of the S angles, the keys at
-    all of them. Inputs of one dtype, of any strides (cos and sin alike, with a last stride of
-    1; their batch dimension may broadcast); outputs laid out as the inputs."""
-    q_BHQD, k_BHSD = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BHQD, k_BHSD))
-    B, Hq, Q, D = q_BHQD.shape
-    Hk, S = k_BHSD.shape[1], k_BHSD.shape[2]
-    cos, sin = cos_B1SD.expand(B, 1, S, D), sin_B1SD.expand(B, 1, S, D)
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+    """drafter.QKRotation in one launch for each: the queries at the last Q of the S angles, the
+    keys at all of them. Inputs of one dtype; cos and sin of batch B or 1. Outputs laid out as the
+    drafter's queries and keys are (transposed views of [B, P, H, D])."""
+    Q, S = q_BHQD.shape[2], k_BHSD.shape[2]
+    return (_rotated(q_BHQD, cos_B1SD[:, :, S - Q:], sin_B1SD[:, :, S - Q:]),
+            _rotated(k_BHSD, cos_B1SD, sin_B1SD))
+
+
+def _rotated(x_BHPD: torch.Tensor, cos_B1PD: torch.Tensor, sin_B1PD: torch.Tensor) -> torch.Tensor:
+    """x rotated at the P angles of cos / sin, one program a row of D, read and written as
+    [B, P, H, D] (copied there first where x is not a view of that layout)."""
+    x_BPHD = x_BHPD.transpose(1, 2)
+    if not x_BPHD.is_contiguous():
+        x_BPHD = x_BPHD.contiguous()
+    B, P, H, D = x_BPHD.shape
+    cos, sin = cos_B1PD, sin_B1PD
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1 or cos.stride(-2) != D:
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out, k_out = torch.empty_like(q_BHQD), torch.empty_like(k_BHSD)
-    q_rows, rows = B * Hq * Q, B * Hq * Q + B * Hk * S
-    if rows:
+    out_BPHD = torch.empty_like(x_BPHD)
+    if out_BPHD.numel():
         half = D // 2
-        _qk_rotation_kernel[(rows,)](q_BHQD, q_out, Hq, Q, *_strides3(q_BHQD), *_strides3(q_out),
-                                     k_BHSD, k_out, Hk, S, *_strides3(k_BHSD), *_strides3(k_out),
-                                     cos, sin, cos.stride(0), cos.stride(2), q_rows,
-                                     HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
-    return q_out, k_out
-
-
-def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    """A [B, H, P, D] tensor's strides of its first three dimensions (its last is 1)."""
-    return t.stride(0), t.stride(1), t.stride(2)
+        _rotation_rows_kernel[(B * P * H,)](x_BPHD, out_BPHD, cos, sin, H, P, cos.stride(0) if cos.shape[0] > 1 else 0,
+                                            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return out_BPHD.transpose(1, 2)

@@ -7,7 +7,7 @@ kernel of its rule, in inference:
   drafter.rms_norm_rule, bit for bit on a probe. The drafter's norms do, and so do
   transformers' Llama, Mistral and Qwen norms; Gemma's, which scale by 1 + weight in float32,
   do not. The target's and the drafter's.
-- the drafter's rotations (drafter.QKRotation, RoPE of a layer's queries and keys): one launch
+- the drafter's rotations (drafter.QKRotation, RoPE of a layer's queries and keys): two launches
   instead of ten, in half precision (the kernel rounds each product and sum as eager does; in
   float32 the compiler may fuse a product into the sum), where the kernel gives the eager
   rule's result bit for bit on a probe run on the model's device.
@@ -91,7 +91,7 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotation(module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    from dflash_train.core.kernels import triton_qk_rotation
+    from dflash_train.core.kernels import triton_qk_rotation  # Triton: as _norm's
 
     return triton_qk_rotation(q, k, cos, sin)
 
