@@ -151,8 +151,15 @@ def test_a_drafter_gets_its_norms_and_rotations_fused_by_kind(monkeypatch):
     drafter = tiny_drafter(num_layers=3).to(torch.bfloat16)
     layers = drafter.config.num_hidden_layers
     monkeypatch.setattr(fusion, "kernel_runs_on", lambda device: True)
-    monkeypatch.setattr(fusion, "_rotation", QKRotation.forward)  # the probe runs it: here the rule itself
+    probed = []
+
+    def rule(module, q, k, cos, sin):  # the probe runs the kernel: here the rule itself
+        probed.append(q.shape[-1])
+        return QKRotation.forward(module, q, k, cos, sin)
+
+    monkeypatch.setattr(fusion, "_rotation", rule)
     assert fuse_kernels(drafter) == 5 * layers + 2
+    assert probed == [drafter.config.head_dim]  # probed once, at the drafter's head dimension
     assert fuse_kernels(drafter, ("norms",)) == 4 * layers + 2
     assert not any("forward" in m.__dict__ for m in drafter.modules() if isinstance(m, QKRotation))
     assert fuse_kernels(drafter, ("rotations",)) == layers

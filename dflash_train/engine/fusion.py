@@ -60,8 +60,8 @@ def fuse_kernels(model: torch.nn.Module, kinds: tuple[str, ...] = KINDS) -> int:
         if "forward" in module.__dict__:  # a forward set by someone else (a hook): left as it is
             continue
         if on and type(module) not in verdicts:
-            verdicts[type(module)] = (_rotation_runs_its_rule(weight.device, weight.dtype) if kind == "rotations"
-                                      else _follows_the_rule(module))
+            verdicts[type(module)] = (_rotation_runs_its_rule(weight.device, weight.dtype, _head_dim(model))
+                                      if kind == "rotations" else _follows_the_rule(module))
         if on and verdicts[type(module)]:
             module.forward = functools.partial(_kernel_or_own, module, kernel)
             fused += 1
@@ -123,16 +123,26 @@ def _follows_the_rule(module: torch.nn.Module) -> bool:
         return isinstance(own, torch.Tensor) and torch.equal(own, rms_norm_rule(x, weight, _eps(module)))
 
 
-def _rotation_runs_its_rule(device: torch.device, dtype: torch.dtype) -> bool:
+def _head_dim(model: torch.nn.Module) -> int:
+    """The model's attention head dimension (its config's; 64 where it names none)."""
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not head_dim and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return int(head_dim or 64)
+
+
+def _rotation_runs_its_rule(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the rotation kernel runs on this device and gives drafter.QKRotation's result bit for
     bit, on a probe of the drafter's shapes at the model's dtype (half precision: the kernel is
-    taken in it only). A kernel that fails here is not used: the eager rule runs instead."""
+    taken in it only) and head dimension. A kernel that fails here is not used: the eager rule runs
+    instead."""
     if dtype not in HALF_PRECISION:
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k = (torch.randn(2, positions, heads, 64, device=device, generator=gen).to(dtype).transpose(1, 2)
-            for positions, heads in ((16, 3), (32, 1)))  # [2, 3, 16, 64] and [2, 1, 32, 64] views
-    angles = torch.rand(2, 1, 32, 32, device=device, generator=gen) * 1000
+    q, k = (torch.randn(2, positions, heads, head_dim, device=device, generator=gen).to(dtype).transpose(1, 2)
+            for positions, heads in ((16, 3), (32, 1)))  # [2, 3, 16, D] and [2, 1, 32, D] views
+    angles = torch.rand(2, 1, 32, head_dim // 2, device=device, generator=gen) * 1000
     cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
     rotation = QKRotation()
     with torch.no_grad():
