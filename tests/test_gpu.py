@@ -298,14 +298,20 @@ def test_drafter_modules_take_their_kernel_only_in_inference_at_their_own_dtype(
     assert calls == [torch.bfloat16] * 2
 
     rotated = []
-    monkeypatch.setattr(fusion, "_rotation", lambda module, *qkcs: rotated.append(qkcs[0].dtype) or qkcs[:2])
+
+    def rule(module, *qkcs):  # records its calls, and gives the rule's result (its probe passes)
+        rotated.append(qkcs[0].dtype)
+        return QKRotation.forward(module, *qkcs)
+
+    monkeypatch.setattr(fusion, "_rotation", rule)
     rotation = QKRotation()
-    assert fusion.fuse_kernels(torch.nn.Sequential(torch.nn.Linear(1, 1).cuda(), rotation)) == 1
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), rotation).cuda().to(torch.bfloat16)
+    assert fusion.fuse_kernels(model) == 1 and rotated == [torch.bfloat16]  # the probe's call
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(1, 2, 4, 64, device="cuda", dtype=dtype)
         with torch.no_grad():
             rotation(q, q, q[:, :1], q[:, :1])
-    assert rotated == [torch.bfloat16]
+    assert rotated == [torch.bfloat16] * 2  # the float32 call kept the eager rule
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
