@@ -473,7 +473,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class QKRotation(nn.Module):
     """RoPE of a layer's queries (the block's Q positions, the last of cos/sin) and keys (all S
     positions): x * cos + rotate_half(x) * sin, each product and the sum in x's dtype. No
-    parameters: a module so that the decoding engine can run it as one kernel on a GPU
+    parameters: a module so that the decoding engine can run it as two kernels on a GPU
     (dflash_train/engine/fusion.py) where eager PyTorch launches ten."""
 
     def forward(self, q_BHQD: torch.Tensor, k_BHSD: torch.Tensor, cos_B1SD: torch.Tensor,

@@ -1,7 +1,7 @@
-"""Element-wise pieces of the decoding engine's models as one kernel each (core/kernels.py), on CUDA.
+"""Element-wise pieces of the decoding engine's models as Triton kernels (core/kernels.py), on CUDA.
 
 Owns where the engine runs a chain of small eager kernels, each launched alone even inside a
-CUDA graph, as one Triton kernel: `fuse_kernels(model)` gives each module of a kind below the
+CUDA graph, as one or two Triton kernels: `fuse_kernels(model)` gives each module of a kind below the
 kernel of its rule, in inference:
 - norms: each leaf module with a 1-D weight and an epsilon whose own forward computes
   drafter.rms_norm_rule, bit for bit on a probe. The drafter's norms do, and so do

@@ -57,8 +57,8 @@ class DFlashProposer:
     the block's keys, written at its own positions, are overwritten by the next cycle's context
     before anything can see them again. The step (drafter layers, the target's lm_head, argmax)
     is one Graphs key per row and width bucket; the first cycle of a sequence, whose context is
-    the whole prompt, runs eagerly. On a GPU the drafter's norms and rotations run as one
-    kernel each (`kernels`: the kinds of engine/fusion.py, all by default; () for none).
+    the whole prompt, runs eagerly. On a GPU the drafter's norms run as one kernel each and its
+    rotations as two (`kernels`: the kinds of engine/fusion.py, all by default; () for none).
 
     `propose` is the reference it is checked against: one sequence, a growing DrafterCache of
     all earlier context, the block's keys/values never kept; no engine."""
