@@ -16,7 +16,9 @@ import torch
 
 from conftest import ROOT, TINY, losses
 from dflash_train.app import cli
+from dflash_train.core import assets
 from dflash_train.core.config import load_config
+from dflash_train.core.drafter import DFlashDrafter
 from dflash_train.train.control import TrainingStopped
 from dflash_train.train.loop import build, train_drafter
 
@@ -182,7 +184,6 @@ def test_skip_decided_on_the_device_is_read_a_step_late(tmp_path, monkeypatch):
 def test_export_loads_back_everywhere(reference_run, tmp_path):
     from transformers import AutoModel
 
-    from dflash_train.core.drafter import DFlashDrafter
     from dflash_train.train.checkpoint import drafter_from_checkpoint
 
     exported = reference_run / "drafter"
@@ -213,14 +214,25 @@ def test_config_errors_stop_before_heavy_work(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_embedded_default_short_run(tmp_path):
-    """`dflash-train train` with no config (SmolLM2-135M on bundled ShareGPT), cut to 2 steps."""
-    assert cli.main(["train", "--output-dir", str(tmp_path), "train.max_steps=2", "log.progress=false"]) == 0
-    from dflash_train.core.drafter import DFlashDrafter
-
-    drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+def test_embedded_default_short_run(tmp_path, smollm2_path, monkeypatch):
+    """`dflash-train train` with no config (SmolLM2-135M on bundled ShareGPT), cut to 2 steps.
+    The bundled file is cut to its first 400 KB (preparing all 17,671 chats costs a minute or
+    more that the rest of the run does not need; test_data prepares such a cut through the same
+    default path), and the asset cache is the test's own, holding the converted SmolLM2."""
+    small = tmp_path / "sharegpt.json"
+    small.write_bytes(assets.sharegpt_json().read_bytes()[:400_000])
+    monkeypatch.setattr(assets, "sharegpt_json", lambda: small)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / smollm2_path.name).symlink_to(smollm2_path)
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(cache))
+    run = tmp_path / "run"
+    assert cli.main(["train", "--output-dir", str(run), "train.max_steps=2", "log.progress=false"]) == 0
+    drafter = DFlashDrafter.from_pretrained(run / "drafter")
     assert drafter.config.hidden_size == 576 and drafter.target_layer_ids == [15]
-    assert len(losses(tmp_path)) == 1 or 2 in losses(tmp_path)
+    assert len(losses(run)) == 1 or 2 in losses(run)
+    (prepared,) = (cache / "data").glob("sharegpt-*")  # the default data, prepared from the cut file
+    assert json.loads((prepared / "report.json").read_text())["files"] == [str(small)]
 
 
 @pytest.mark.slow
