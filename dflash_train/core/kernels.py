@@ -107,6 +107,9 @@ def _rotated(x_BHPD: torch.Tensor, cos_B1PD: torch.Tensor, sin_B1PD: torch.Tenso
     out_BPHD = torch.empty_like(x_BPHD)
     if out_BPHD.numel():
         half = D // 2
+        # No fused multiply-adds: with them the compiler contracts a product into the sum and skips
+        # that product's rounding, which eager does not (the probe then refuses the kernel).
         _rotation_rows_kernel[(B * P * H,)](x_BPHD, out_BPHD, cos, sin, H, P, cos.stride(0) if cos.shape[0] > 1 else 0,
-                                            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+                                            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+                                            enable_fp_fusion=False)
     return out_BPHD.transpose(1, 2)
