@@ -14,7 +14,8 @@ decoding engine runs them on a GPU (engine/fusion.py); training keeps the eager 
   follow the same rule (transformers' Llama and Qwen norms: two a layer).
 - `triton_qk_rotation(q, k, cos, sin)`: drafter.QKRotation (RoPE of a layer's queries and keys)
   in two launches instead of ten (two products, a negation, a concatenation and a sum, for each).
-  Each product and the sum are rounded to the input's dtype as eager PyTorch rounds them, and
+  Each product and the sum are rounded to the input's dtype as eager PyTorch rounds them (the
+  kernel is compiled without fused multiply-adds, which would skip a product's rounding), and
   there is nothing else to round: it equals the eager rule bit for bit.
 
 tests/test_kernels.py holds them to the eager rules on CPU in Triton's interpreter;

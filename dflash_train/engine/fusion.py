@@ -8,9 +8,9 @@ kernel of its rule, in inference:
   transformers' Llama, Mistral and Qwen norms; Gemma's, which scale by 1 + weight in float32,
   do not. The target's and the drafter's.
 - the drafter's rotations (drafter.QKRotation, RoPE of a layer's queries and keys): two launches
-  instead of ten, in half precision (the kernel rounds each product and sum as eager does; in
-  float32 the compiler may fuse a product into the sum), where the kernel gives the eager
-  rule's result bit for bit on a probe run on the model's device.
+  instead of ten, in half precision only (what the drafter serves in; the kernel's float32 path
+  was never checked on a GPU), where the kernel gives the eager rule's result bit for bit on a
+  probe run on the model's device.
 The module's forward becomes an instance attribute (never over one set by someone else, such as
 a hook); `fuse_kernels(model, ())` gives the class's back. Training never takes a kernel:
 where autograd records (the drafter's steps), under autocast (the walk's float32 master
