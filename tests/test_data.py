@@ -286,7 +286,8 @@ def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokeni
     assert report["skipped"] == [{"file": str(src), "line": 3, "reason": report["skipped"][0]["reason"]}]
     assert report["skipped"][0]["reason"].startswith("unknown role: messages[0].role is 'bot'")
     ds = result.dataset
-    assert ds.column_names == ["input_ids", "loss_mask", "length", "conversation", "source"]
+    assert ds.column_names == ["input_ids", "loss_mask", "length", "conversation", "source", "sampled"]
+    assert ds["sampled"] == [False, False]  # greedy, or written by hand: no sampled_replies mark
     for line, (row, messages) in enumerate(zip(ds, EXPECTED.values()), 1):
         [(ids, mask)] = preparation.tokenize_samples(smollm2_tokenizer, preparation.supervised_spans(smollm2_tokenizer, messages))
         assert row["input_ids"] == ids.tolist() and row["loss_mask"] == mask.tolist()
@@ -298,18 +299,19 @@ def test_prepare_report_columns_and_masks(tmp_path, smollm2_path, smollm2_tokeni
 
 def test_prepared_dataset_is_fingerprinted_from_its_columns_not_by_pickling(monkeypatch):
     """_to_dataset gives the table from_dict would (rows and features) with a fingerprint of its
-    own: the same for the same samples, another when a token, a mask bit or a source differs,
-    and datasets' dill hashing (which fails for pyarrow installed outside site-packages) unused."""
+    own: the same for the same samples, another when a token, a mask bit, a source or the sampled
+    mark differs, and datasets' dill hashing (which fails for pyarrow installed outside
+    site-packages) unused."""
     import datasets
     import datasets.fingerprint
 
-    def samples(token=7, bit=1, source="a.jsonl:1"):
-        return [(np.array([1, 2, token], np.int32), np.array([0, 1, bit], np.uint8), "k1", source),
-                (np.array([4, 5], np.int32), np.array([1, 1], np.uint8), "k2", "a.jsonl:2")]
+    def samples(token=7, bit=1, source="a.jsonl:1", sampled=False):
+        return [(np.array([1, 2, token], np.int32), np.array([0, 1, bit], np.uint8), "k1", source, sampled),
+                (np.array([4, 5], np.int32), np.array([1, 1], np.uint8), "k2", "a.jsonl:2", False)]
 
     want = datasets.Dataset.from_dict({"input_ids": [[1, 2, 7], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]],
                                        "length": [3, 2], "conversation": ["k1", "k2"],
-                                       "source": ["a.jsonl:1", "a.jsonl:2"]})
+                                       "source": ["a.jsonl:1", "a.jsonl:2"], "sampled": [False, False]})
 
     def no_dill(*args, **kwargs):
         raise AssertionError("datasets hashed the table")
@@ -319,10 +321,12 @@ def test_prepared_dataset_is_fingerprinted_from_its_columns_not_by_pickling(monk
     assert ds.to_list() == want.to_list()
     assert ds.column_names == want.column_names
     assert [ds.features[k].feature.dtype for k in ("input_ids", "loss_mask")] == ["int32", "uint8"]
-    assert [ds.features[k].dtype for k in ("length", "conversation", "source")] == ["int32", "string", "string"]
+    assert [ds.features[k].dtype for k in ("length", "conversation", "source", "sampled")] == \
+        ["int32", "string", "string", "bool"]
     assert ds._fingerprint == preparation._to_dataset(samples())._fingerprint
-    others = {preparation._to_dataset(s)._fingerprint for s in (samples(token=8), samples(bit=0), samples(source="b:1"))}
-    assert len(others) == 3 and ds._fingerprint not in others
+    others = {preparation._to_dataset(s)._fingerprint
+              for s in (samples(token=8), samples(bit=0), samples(source="b:1"), samples(sampled=True))}
+    assert len(others) == 4 and ds._fingerprint not in others
 
 
 def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatch):

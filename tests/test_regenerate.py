@@ -160,6 +160,14 @@ def test_sampling_is_seeded(tmp_path, tiny_target):
         run([src], tiny_target, tmp_path / f"{name}.jsonl", temperature=1.0, top_p=0.9, seed=seed)
         outs.append((tmp_path / f"{name}.jsonl").read_text())
     assert outs[0] == outs[1] != outs[2]
+    # Each sampled record says how it was sampled; a greedy regeneration of it says nothing.
+    marks = [json.loads(line)[chat_files.SAMPLED_REPLIES] for line in outs[2].splitlines()]
+    assert marks == [{"temperature": 1.0, "top_p": 0.9, "seed": 2}] * 3
+    run([tmp_path / "c.jsonl"], tiny_target, tmp_path / "greedy.jsonl")
+    greedy = [json.loads(line) for line in (tmp_path / "greedy.jsonl").read_text().splitlines()]
+    assert len(greedy) == 3 and not any(chat_files.SAMPLED_REPLIES in record for record in greedy)
+    assert not any(r.sampled for r in chat_files.iter_records([tmp_path / "greedy.jsonl"]))
+    assert all(r.sampled for r in chat_files.iter_records([tmp_path / "c.jsonl"]))
 
 
 def test_cli_regenerate(tmp_path, tiny_target, capsys):

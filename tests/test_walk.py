@@ -145,6 +145,32 @@ def test_validation_split_is_stable_disjoint_and_independent_of_order_and_settin
     assert found[0] == found[1] == found[2] == [rows[int(i)]["input_ids"] for i in held]
 
 
+def test_sampled_replies_of_held_out_conversations_are_neither_walked_nor_trained_on(tmp_path, smollm2_path):
+    """A prompt answered greedily and again with sampled replies (`data regenerate --temperature`
+    marks those records): prepare keeps the mark per sample, and when the prompt is held out its
+    greedy samples are walked (what serving at T=0 sees) and its sampled ones are in neither
+    split; sampled replies of prompts not held out are trained on."""
+    from dflash_train.data import chat_files, preparation
+
+    greedy, sampled = tmp_path / "greedy.jsonl", tmp_path / "sampled.jsonl"
+    chats = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+             for i in range(12)]
+    greedy.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    mark = {chat_files.SAMPLED_REPLIES: {"temperature": 0.7, "top_p": 0.95, "seed": 1}}
+    sampled.write_text("".join(json.dumps({"messages": [c[0], {"role": "assistant", "content": f"Reply {i}, sampled."}],
+                                           **mark}) + "\n" for i, c in enumerate(chats)))
+    dataset = preparation.prepare([greedy, sampled], smollm2_path, tmp_path / "prepared", log=lambda *a: None).dataset
+    assert dataset["sampled"] == [False] * 12 + [True] * 12
+    lines = []
+    training, validation = split_data(load_config(TINY, ["data.validation=3"]), dataset, log=lines.append)
+    held = {conversation_key(c) for c in chats} - set(training["conversation"])
+    assert len(held) == 3 and set(validation["conversation"]) == held
+    assert validation["sampled"] == [False] * 3 and all(s.endswith(f"{greedy}:{s.rsplit(':', 1)[1]}")
+                                                          for s in validation["source"])
+    assert len(training) == 18 and training["sampled"].count(True) == 9  # the other 9 prompts' sampled replies
+    assert "3 conversations (3 samples) held out" in lines[0] and "3 samples of theirs with sampled replies" in lines[0]
+
+
 def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, monkeypatch):
     """A run with data.validation writes validation.jsonl: exactly the held-out conversations
     (read back from their file:line), with their user turns for `eval --prompts` and their

@@ -227,6 +227,16 @@ def conversation_keys(dataset) -> list[str]:
     return keys
 
 
+def greedy_only(dataset, indices: np.ndarray) -> tuple[np.ndarray, int]:
+    """(the samples of `indices` whose replies are not sampled, how many were left out): serving at
+    T=0 sees the target's greedy replies, so walked tau walks only those (prepare's `sampled`
+    column; data prepared without it counts as greedy)."""
+    if "sampled" not in dataset.column_names or not len(indices):
+        return indices, 0
+    sampled = np.asarray(dataset.select(indices)["sampled"], dtype=bool)
+    return indices[~sampled], int(sampled.sum())
+
+
 def split_hash(seed: int, key: str) -> float:
     """Where conversation `key` falls in [0, 1) under `seed`: a pure function of the two, so the
     split depends on nothing else (not the order of the data, not the other settings)."""

@@ -48,6 +48,10 @@ FORMATS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages"
 # An assistant turn's optional flag (in either format): the response was cut at its token budget
 # (`data regenerate` writes it), so its end-of-turn token is not supervised.
 UNFINISHED = "unfinished"
+# A record's optional field (either format): its replies were sampled, not greedy, and with what
+# (`data regenerate --temperature` > 0 writes {"temperature", "top_p", "seed"}). Serving at T=0 sees
+# the target's greedy replies, so the validation split walks no such record.
+SAMPLED_REPLIES = "sampled_replies"
 
 
 class DataError(InputError):
@@ -80,6 +84,11 @@ class Record:
     format: str
     messages: list[dict[str, str]]
     raw: dict[str, Any] = field(repr=False)
+
+    @property
+    def sampled(self) -> bool:
+        """Its replies were sampled (SAMPLED_REPLIES), not the target's greedy ones."""
+        return bool(self.raw.get(SAMPLED_REPLIES))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def records_at(sources: Iterable[str]) -> list[Record]:
 
 def _build_samples(tokenizer, special, records: list[Record], max_length: int, overlong: str,
                    skipped: list[Skip], counts: collections.Counter) -> list[tuple]:
-    """Samples (ids, loss mask, conversation key, "file:line") of a chunk of records
+    """Samples (ids, loss mask, conversation key, "file:line", sampled replies) of a chunk of records
     (tokenized in one call, which the fast tokenizer runs in parallel), with template failures
     and dropped samples appended to `skipped`."""
     texts, owners = [], []
@@ -371,7 +371,8 @@ def _build_samples(tokenizer, special, records: list[Record], max_length: int, o
                                 + (" after truncation" if truncated else "")))
             continue
         # An absolute path: the source still names its file from another working directory.
-        kept.append((ids, mask, conversation_key(record.messages), f"{Path(record.file).resolve()}:{record.line}"))
+        kept.append((ids, mask, conversation_key(record.messages), f"{Path(record.file).resolve()}:{record.line}",
+                     record.sampled))
     return kept
 
 
@@ -389,14 +390,16 @@ def _to_dataset(samples: list[tuple]):
         "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_ids, pa.int32())),
         "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_mask, pa.uint8())),
         "length": pa.array(lengths.astype(np.int32)),
-        # Which conversation a sample comes from (the validation split) and where it was read.
-        "conversation": pa.array([key for *_, key, _ in samples], pa.string()),
-        "source": pa.array([source for *_, source in samples], pa.string()),
+        # Which conversation a sample comes from (the validation split), where it was read, and
+        # whether its replies were sampled (the validation split walks none of those).
+        "conversation": pa.array([key for _, _, key, _, _ in samples], pa.string()),
+        "source": pa.array([source for _, _, _, source, _ in samples], pa.string()),
+        "sampled": pa.array([sampled for *_, sampled in samples], pa.bool_()),
     }
     digest = hashlib.sha256()
     for column in (offsets, values_ids, values_mask):
         digest.update(np.ascontiguousarray(column).tobytes())
-    digest.update(json.dumps([[key, source] for *_, key, source in samples]).encode())
+    digest.update(json.dumps([[key, source, sampled] for _, _, key, source, sampled in samples]).encode())
     return datasets.Dataset(InMemoryTable.from_pydict(table), fingerprint=digest.hexdigest()[:16])
 
 

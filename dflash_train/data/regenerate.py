@@ -50,7 +50,16 @@ from dflash_train.core.devices import resolve_device
 from dflash_train.core.errors import output_file_problem, problems_of
 from dflash_train.core.signals import StopFlag
 from dflash_train.core.target import resolve_target_path
-from dflash_train.data.chat_files import FORMATS, UNFINISHED, DataError, Record, Skip, iter_records, nothing_usable
+from dflash_train.data.chat_files import (
+    FORMATS,
+    SAMPLED_REPLIES,
+    UNFINISHED,
+    DataError,
+    Record,
+    Skip,
+    iter_records,
+    nothing_usable,
+)
 from dflash_train.data.preparation import loop_period, render
 from dflash_train.data.responders import Decoding, Responder, ServerResponder, load_responder
 from dflash_train.data.serving import ServingOptions, turn_seed
@@ -101,6 +110,12 @@ class RegenerationOptions:
     deadline: float | None = None
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
+    def sampled_replies(self) -> dict[str, Any] | None:
+        """What each output record's SAMPLED_REPLIES field says: None when greedy (temperature 0)."""
+        if self.temperature == 0:
+            return None
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
     def decoding(self, rows: int) -> Decoding:
         """What a responder answers each turn with, `rows` turns at once."""
         return Decoding(max_new_tokens=self.max_new_tokens, max_prompt_length=self.max_prompt_length,
@@ -108,13 +123,18 @@ class RegenerationOptions:
                         overlap=self.overlap, continue_turns=self.continue_turns)
 
 
-def to_output(record: Record, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """The record in its own format with `messages` as its turns; other fields are kept."""
+def to_output(record: Record, messages: list[dict[str, str]], sampled: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The record in its own format with `messages` as its turns; other fields are kept but the
+    mark of sampled replies (SAMPLED_REPLIES), which is `sampled` when given (how these replies
+    were sampled: RegenerationOptions.sampled_replies), else left out."""
     list_key, role_key, content_key = FORMATS[record.format]
     roles = OUTPUT_ROLES[record.format]
-    out = {k: v for k, v in record.raw.items()}
+    out = {k: v for k, v in record.raw.items() if k != SAMPLED_REPLIES}
     out[list_key] = [{role_key: roles[m["role"]], content_key: m["content"],
                       **({UNFINISHED: True} if m.get(UNFINISHED) else {})} for m in messages]
+    if sampled:
+        out[SAMPLED_REPLIES] = sampled
     return out
 
 
@@ -262,8 +282,8 @@ class Conversation:
         self.cursor += 1
         self.turn += 1
 
-    def line(self) -> str:
-        return json.dumps(to_output(self.record, self.messages), ensure_ascii=False) + "\n"
+    def line(self, sampled: dict[str, Any] | None = None) -> str:
+        return json.dumps(to_output(self.record, self.messages, sampled), ensure_ascii=False) + "\n"
 
 
 def _positions(ids: list[int], wanted: set[int]) -> list[int]:
@@ -391,7 +411,7 @@ class _Scheduler:
 
     def finish(self, conv: Conversation) -> None:
         del self.active[conv.position]
-        self.finished[conv.position] = conv.line()
+        self.finished[conv.position] = conv.line(self.options.sampled_replies())
 
     def _render(self, convs: list[Conversation]) -> list[tuple[Conversation, str]]:
         """The rendered prompt of each conversation's next turn; a conversation without one, or
