@@ -19,7 +19,7 @@ from conftest import TINY, tiny_target_config
 from dflash_train.app.cli import main
 from dflash_train.core.config import ConfigError, DataSection, load_config
 from dflash_train.core.target import Target
-from dflash_train.data.batching import conversation_keys, validation_split
+from dflash_train.data.batching import conversation_keys, greedy_where_any, validation_split
 from dflash_train.data.chat_files import conversation_key
 from dflash_train.engine.acceptance import turn_mean_tau
 from dflash_train.engine.decoder import speculative_generate, target_generate
@@ -149,7 +149,8 @@ def test_sampled_replies_of_held_out_conversations_are_neither_walked_nor_traine
     """A prompt answered greedily and again with sampled replies (`data regenerate --temperature`
     marks those records): prepare keeps the mark per sample, and when the prompt is held out its
     greedy samples are walked (what serving at T=0 sees) and its sampled ones are in neither
-    split; sampled replies of prompts not held out are trained on."""
+    split; sampled replies of prompts not held out are trained on; a held-out conversation with
+    sampled replies only (data regenerated only at T > 0) is walked as it is."""
     from dflash_train.data import chat_files, preparation
 
     greedy, sampled = tmp_path / "greedy.jsonl", tmp_path / "sampled.jsonl"
@@ -169,6 +170,12 @@ def test_sampled_replies_of_held_out_conversations_are_neither_walked_nor_traine
                                                           for s in validation["source"])
     assert len(training) == 18 and training["sampled"].count(True) == 9  # the other 9 prompts' sampled replies
     assert "3 conversations (3 samples) held out" in lines[0] and "3 samples of theirs with sampled replies" in lines[0]
+    only_sampled = Dataset.from_dict({"sampled": [False, True, True, True], "conversation": ["a", "a", "b", "c"]})
+    assert greedy_where_any(only_sampled, np.array([0, 1, 2]), only_sampled["conversation"])[0].tolist() == [0, 2]
+    assert greedy_where_any(only_sampled, np.array([1, 2, 3]), only_sampled["conversation"])[1] == 0
+    everything_sampled = dataset.select(range(12, 24))  # regenerated only with sampling: walked as it is
+    _, walked = split_data(load_config(TINY, ["data.validation=3"]), everything_sampled, log=lambda *a: None)
+    assert len(walked) == 3 and walked["sampled"] == [True] * 3
 
 
 def test_the_held_out_conversations_are_written_for_both_evaluations(tmp_path, monkeypatch):

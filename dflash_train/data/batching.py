@@ -227,14 +227,19 @@ def conversation_keys(dataset) -> list[str]:
     return keys
 
 
-def greedy_only(dataset, indices: np.ndarray) -> tuple[np.ndarray, int]:
-    """(the samples of `indices` whose replies are not sampled, how many were left out): serving at
-    T=0 sees the target's greedy replies, so walked tau walks only those (prepare's `sampled`
-    column; data prepared without it counts as greedy)."""
+def greedy_where_any(dataset, indices: np.ndarray, keys: Sequence[str]) -> tuple[np.ndarray, int]:
+    """(the samples of `indices` to walk, how many were left out): of a conversation (`keys`, by
+    sample) that has samples with greedy replies among `indices`, its samples with sampled ones
+    (prepare's `sampled` column) are left out, since serving at T=0 sees the target's greedy
+    replies; a conversation with sampled replies only keeps them (data regenerated only at T > 0).
+    Data prepared without the column counts as greedy."""
     if "sampled" not in dataset.column_names or not len(indices):
         return indices, 0
     sampled = np.asarray(dataset.select(indices)["sampled"], dtype=bool)
-    return indices[~sampled], int(sampled.sum())
+    greedy = {keys[i] for i, is_sampled in zip(indices, sampled) if not is_sampled}
+    left_out = np.fromiter((is_sampled and keys[i] in greedy for i, is_sampled in zip(indices, sampled)),
+                           dtype=bool, count=len(indices))
+    return indices[~left_out], int(left_out.sum())
 
 
 def split_hash(seed: int, key: str) -> float:

@@ -50,7 +50,8 @@ FORMATS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages"
 UNFINISHED = "unfinished"
 # A record's optional field (either format): its replies were sampled, not greedy, and with what
 # (`data regenerate --temperature` > 0 writes {"temperature", "top_p", "seed"}). Serving at T=0 sees
-# the target's greedy replies, so the validation split walks no such record.
+# the target's greedy replies, so the validation split walks no such record of a conversation
+# that also has greedy ones (batching.greedy_where_any).
 SAMPLED_REPLIES = "sampled_replies"
 
 
