@@ -391,7 +391,7 @@ def _to_dataset(samples: list[tuple]):
         "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_mask, pa.uint8())),
         "length": pa.array(lengths.astype(np.int32)),
         # Which conversation a sample comes from (the validation split), where it was read, and
-        # whether its replies were sampled (the validation split walks none of those).
+        # whether its replies were sampled (batching.greedy_where_any: not walked beside greedy ones).
         "conversation": pa.array([key for _, _, key, _, _ in samples], pa.string()),
         "source": pa.array([source for _, _, _, source, _ in samples], pa.string()),
         "sampled": pa.array([sampled for *_, sampled in samples], pa.bool_()),
