@@ -14,6 +14,7 @@ import pytest
 
 from dflash_train.app import cli, commands, recipe
 from dflash_train.app.recipe import Recipe
+from dflash_train.core.assets import sharegpt_json
 from dflash_train.core.config import load_config
 from dflash_train.data import sources
 
@@ -123,6 +124,63 @@ def test_data_stages_past_the_budget_are_not_started(tmp_path, monkeypatch):
                     "are not made",
                     "dflash-train train: the data's share of the budget is spent; the word-problems prompts are not "
                     "made"]
+
+
+def test_sampled_replies_follow_the_greedy_data_seed_by_seed_within_the_budget(tmp_path, monkeypatch):
+    """With reply_samples the greedy files are answered again, sampled with seeds 1..N (every file
+    once before any twice), as many records as each greedy file, and trained on after them; a
+    rerun finds them made; past the data's share of the budget no further one is started (said
+    once) and what was made is kept."""
+    plan = replace(Recipe.own_data(TINY, "cpu", str(tmp_path / "run")), target_prompts=0, records=4,
+                   sources=(("word-problems", 3),), reply_samples=2, sample_temperature=0.8, sample_top_p=0.9)
+    calls: list[tuple[str, str, dict | None]] = []
+
+    def fake_regenerate(paths, target, out, options, **kwargs):
+        calls.append((Path(paths[0]).name, Path(out).name, options.sampled_replies()))
+        with open(out, "a") as f:
+            f.writelines(json.dumps({"line": i}) + "\n" for i in range(options.limit if options.limit < 99 else 4))
+        return {"num_written": options.limit}
+
+    monkeypatch.setattr(recipe.regenerate, "regenerate", fake_regenerate)
+    monkeypatch.setattr(recipe.sources, "write_source",
+                        lambda name, path, limit: Path(path).write_text("{}\n" * limit) and limit)
+    said: list[str] = []
+    files = recipe.make_data(plan, 8, None, said.append)
+    chats, problems = plan.regenerated_path(), plan.source_answers("word-problems", 3,
+                                                                   plan.source_prompts("word-problems", 3))
+    sampled = [plan.sampled_path(path, seed) for seed in (1, 2) for path in (chats, problems)]
+    assert files == [chats, problems, *sampled]
+    assert sampled[0].name == chats.stem + "-sampled-t0.8-p0.9-s1.jsonl"
+    assert calls[:2] == [(sharegpt_json().name, chats.name, None), ("word-problems-3.jsonl", problems.name, None)]
+    assert calls[2:] == [(path.name, plan.sampled_path(path, seed).name,
+                          {"temperature": 0.8, "top_p": 0.9, "seed": seed}) for seed in (1, 2) for path in (chats, problems)]
+    assert [sum(1 for _ in open(path)) for path in files] == [4, 3, 4, 3, 4, 3]
+    assert "then 2 sampled replies more to each prompt (T=0.8, top-p 0.9)" in recipe.own_data_notice(plan)
+    calls.clear()
+    assert recipe.make_data(plan, 8, None, said.append) == files and calls == []  # a rerun: all made
+    assert f"dflash-train train: {sampled[-1]} already holds 3 regenerated sampled replies (seed 2) of " \
+           f"{problems.name}" in said
+
+    class Clock:  # the budget passes while the first sampled file is made
+        now = 0.0
+
+        def time(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(recipe, "time", clock)
+    for path in sampled:
+        path.unlink()
+
+    def regenerate_then_late(*args, **kwargs):
+        clock.now = 100.0
+        return fake_regenerate(*args, **kwargs)
+
+    monkeypatch.setattr(recipe.regenerate, "regenerate", regenerate_then_late)
+    said.clear()
+    assert recipe.make_data(plan, 8, 50.0, said.append) == [chats, problems, sampled[0]]
+    assert said[-1] == (f"dflash-train train: the data's share of the budget is spent; the sampled replies from "
+                        f"{problems.name} (seed 1) on are not made")
 
 
 def test_the_sources_prompts_are_written_aside_as_the_stage_writes_them(tmp_path, monkeypatch):
@@ -487,11 +545,12 @@ def test_the_recipe_fits_its_batches_to_the_gpu_before_any_data_is_made(monkeypa
 
 @pytest.mark.slow
 def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
-    """Regenerate 6 conversations, train 4 steps (validation walked every 2), serve 2 records of
-    each set; the rerun reuses the regenerated file and the finished training."""
+    """Regenerate 6 conversations and 3 word problems, and each once more with another seed
+    (reply_samples), train 4 steps on all of them (validation walked every 2), serve 2 records of
+    each set; the rerun reuses the regenerated files and the finished training."""
     plan = Recipe(target=TINY, records=6, max_new_tokens=8, regen_temperature=5.0, regen_batch_size=8,
                       regenerated=str(tmp_path / "regen.jsonl"), sources=(("word-problems", 3),),
-                      output_dir=str(tmp_path / "run"), steps=4,
+                      reply_samples=1, sample_temperature=5.0, output_dir=str(tmp_path / "run"), steps=4,
                       validation=2, eval_every=2, train_args=(), eval_limit=2, eval_max_new_tokens=16,
                       speedup_turns=1, workers=1, eval_batch_size=2, device="cpu")
     said: list[str] = []
@@ -504,6 +563,12 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     assert any(line.startswith("dflash-train train: regenerated 3 word-problems records") for line in said)
     run = tmp_path / "run"
     assert str(answered) in (run / "config.yaml").read_text()  # trained on beside the chats
+    for greedy in (tmp_path / "regen.jsonl", answered):  # the sampled replies, marked, trained on too
+        again = plan.sampled_path(greedy, 1)
+        records, others = ([json.loads(line) for line in open(path)] for path in (again, greedy))
+        assert len(records) == len(others) and str(again) in (run / "config.yaml").read_text()
+        assert all(r["sampled_replies"] == {"temperature": 5.0, "top_p": 0.95, "seed": 1} for r in records)
+        assert records != [{**r, "sampled_replies": records[0]["sampled_replies"]} for r in others]
     assert (run / "drafter" / "config.json").is_file()
     walked = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "walked_tau" in r]
     assert walked == [2, 4]
@@ -516,4 +581,6 @@ def test_the_recipe_end_to_end_on_cpu_and_its_rerun(tmp_path):
     assert recipe.run_recipe(plan, log=said.append) == 0
     assert f"dflash-train train: {tmp_path / 'regen.jsonl'} already holds 6 regenerated conversations" in said
     assert f"dflash-train train: {answered} already holds 3 regenerated word-problems records" in said
+    assert f"dflash-train train: {plan.sampled_path(answered, 1)} already holds 3 regenerated sampled replies " \
+           f"(seed 1) of {answered.name}" in said
     assert said[-1].startswith("dflash-train train: served tau mt-bench ")

@@ -117,6 +117,14 @@ class Recipe:
     max_prompt_length: int = 1024
     regen_batch_size: int = 1024
     regen_temperature: float = 0.0
+    reply_samples: int = 0
+    """Sampled replies per prompt beyond the greedy one: once the greedy data is made, each of its
+    files is answered this many more times at `sample_temperature` / `sample_top_p` (seeds 1..N,
+    one pass over every file per seed), resumed like the rest and within the data's share of the
+    budget, and trained on beside it; the validation split walks only the greedy replies of the
+    conversations it holds out (docs/DATA.md)."""
+    sample_temperature: float = 1.0
+    sample_top_p: float = 0.95
     regenerated: str | None = None  # None: a file in the asset cache named by target and settings
     sources: tuple[tuple[str, int], ...] = field(default=QUALITY_SOURCES)  # (name, count): sources.py
     output_dir: str = "runs/default-gpu"
@@ -202,6 +210,12 @@ class Recipe:
         return self.data_root() / (
             f"{_slug(self.target.removeprefix('bundled:'))}-{name}-{count}-{digest}"
             f"-new{self.max_new_tokens}-prompt{self.max_prompt_length}-t{self.regen_temperature:g}.jsonl")
+
+    def sampled_path(self, answered: Path, seed: int) -> Path:
+        """The replies to the prompts of `answered` (a greedy file the run made) sampled with
+        `seed`: beside it, named by the sampling settings."""
+        return answered.with_name(f"{answered.stem}-sampled-t{self.sample_temperature:g}-p{self.sample_top_p:g}"
+                                  f"-s{seed}{answered.suffix}")
 
     def train_overrides(self, files: list[Path] | tuple[Path, ...] | None = None,
                         max_time_s: float | None = None) -> list[str]:
@@ -314,8 +328,10 @@ def own_data_notice(plan: Recipe) -> str:
 def _data_made(plan: Recipe) -> str:
     """The data a plan makes, as both first lines say it."""
     prompts = "".join(f" and up to {count:,} {name} prompts" for name, count in plan.sources)
+    samples = (f", then {plan.reply_samples} sampled repl{'y' if plan.reply_samples == 1 else 'ies'} more to each "
+               f"prompt (T={plan.sample_temperature:g}, top-p {plan.sample_top_p:g})") if plan.reply_samples else ""
     return (f"writes {plan.target_prompts:,} conversations of its own and answers {plan.records:,} bundled ShareGPT "
-            f"conversations{prompts} into {plan.data_root()}")
+            f"conversations{prompts}{samples} into {plan.data_root()}")
 
 
 def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
@@ -374,15 +390,42 @@ def data_of_run_in_progress(plan: Recipe, log) -> list[Path] | None:
 
 def make_data(plan: Recipe, rows: int, deadline: float | None, log) -> list[Path] | None:
     """The training files: the chats regenerated, the target's own conversations, the prompt
-    sources regenerated, each resumed; a stage past `deadline` keeps what it made. None when a
-    signal stopped a stage. The sources' prompts are written aside meanwhile (plan.prompts_aside),
-    and so are the target's own conversations (plan.own_aside)."""
+    sources regenerated, each resumed, then plan.reply_samples sampled replies to all of them; a
+    stage past `deadline` keeps what it made. None when a signal stopped a stage. The sources'
+    prompts are written aside meanwhile (plan.prompts_aside), and so are the target's own
+    conversations (plan.own_aside)."""
     writers = start_prompt_writers(plan)
     own = start_own_writer(plan, rows, deadline) if plan.own_aside and plan.target_prompts else None
     try:
-        return _make_data(plan, rows, deadline, log, writers, own)
+        files = _make_data(plan, rows, deadline, log, writers, own)
     finally:
         stop_prompt_writers(writers if own is None else {**writers, "own": own})
+    if files is None or not plan.reply_samples:
+        return files
+    sampled = sampled_replies(plan, files, rows, deadline, log)
+    return None if sampled is None else files + sampled
+
+
+def sampled_replies(plan: Recipe, files: list[Path], rows: int, deadline: float | None, log) -> list[Path] | None:
+    """The prompts of each greedy file in `files` answered again, sampled (plan.sample_temperature,
+    plan.sample_top_p) with seeds 1..plan.reply_samples, into plan.sampled_path: every file once
+    per seed before any file twice, each resumed; none started past `deadline` (said once). The
+    files made, in that order; None when a signal stopped one."""
+    made = []
+    for seed in range(1, plan.reply_samples + 1):
+        for answered in files:
+            if _past(deadline, f"the sampled replies from {answered.name} (seed {seed}) on", log):
+                return made
+            _release()
+            out = plan.sampled_path(answered, seed)
+            with open(answered, "rb") as f:
+                want = sum(1 for _ in f)
+            if _regenerate_up_to(plan, answered, out, want, rows, f"sampled replies (seed {seed}) of {answered.name}",
+                                 deadline, log, seed=seed):
+                return None
+            if out.is_file() and out.stat().st_size:
+                made.append(out)
+    return made
 
 
 def _make_data(plan: Recipe, rows: int, deadline: float | None, log,
@@ -484,16 +527,19 @@ def serve(plan: Recipe, drafter: Path, out: Path, log) -> None:
 
 
 def _regenerate_up_to(plan: Recipe, data, out: Path, want: int, rows: int, what: str, deadline: float | None,
-                      log) -> bool:
+                      log, seed: int = 0) -> bool:
     """`out` regenerated from `data` until it holds `want` records (resumed; nothing to do when
-    it does) or `deadline` passes, logged as `what`. True when a signal stopped it."""
+    it does) or `deadline` passes, logged as `what`: at plan.regen_temperature, or with `seed`
+    (1 and up) sampled at plan.sample_temperature / plan.sample_top_p. True when a signal stopped it."""
     have = sum(1 for _ in open(out, "rb")) if out.is_file() else 0
     if have >= want:
         log(f"dflash-train train: {out} already holds {have} regenerated {what}")
         return False
-    options = regenerate.RegenerationOptions(max_new_tokens=plan.max_new_tokens, temperature=plan.regen_temperature,
-                                             batch_size=rows, max_prompt_length=plan.max_prompt_length,
-                                             device=plan.device, limit=want - have, deadline=deadline)
+    sampling = {"temperature": plan.sample_temperature, "top_p": plan.sample_top_p, "seed": seed} if seed else \
+        {"temperature": plan.regen_temperature}
+    options = regenerate.RegenerationOptions(max_new_tokens=plan.max_new_tokens, batch_size=rows,
+                                             max_prompt_length=plan.max_prompt_length, device=plan.device,
+                                             limit=want - have, deadline=deadline, **sampling)
     summary = regenerate.regenerate([str(data)], plan.target, out, options, log=log)
     if summary.get("stopped"):
         return True
