@@ -74,6 +74,35 @@ def test_a_target_given_alone_runs_the_recipe_on_its_own_data(monkeypatch, capsy
     assert "command line override train.max_time_s" in capsys.readouterr().err and len(plans) == 1
 
 
+def test_a_target_given_alone_is_checked_before_anything_is_said_or_made(monkeypatch, capsys, tmp_path):
+    """A folder that is not there, a bundled name that is not one, a folder that is no model and
+    a model whose tokenizer has no chat template: one line naming target.path, exit 2, no notice
+    and nothing written (the run's folder and its target-data are not made)."""
+    import shutil
+
+    from dflash_train.core.target import resolve_target_path
+
+    monkeypatch.setattr(commands, "gpu_default_applies", lambda: False)
+    monkeypatch.setattr(recipe, "run_recipe", lambda plan: pytest.fail("the recipe ran"))
+    plain = tmp_path / "plain"
+    shutil.copytree(resolve_target_path(TINY), plain)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (plain / name).unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    for target, said in ((tmp_path / "absent", "no such folder"),
+                         ("bundled:nonesuch", "no such bundled target; the bundled ones are "
+                                              "bundled:smollm2-135m-instruct, "),
+                         (tmp_path, "not a Hugging Face model folder (no config.json)"),
+                         (plain, "its tokenizer has no chat template, so it has no user turn to write")):
+        assert cli.main(["train", f"target.path={target}", "--output-dir", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"dflash-train train: target.path {target}: {said}")
+        assert len(captured.err.strip().splitlines()) == 1 and not out.exists()
+
+
 @pytest.mark.slow
 def test_a_target_alone_makes_its_data_trains_and_serves_on_cpu(tmp_path, monkeypatch):
     """The own-data plan of a CPU end to end on the tiny target: it cannot write a usable

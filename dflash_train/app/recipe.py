@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from dflash_train.bench.memory import Layout, Planner, largest_fitting, refusal
 from dflash_train.core.assets import cache_root, sharegpt_json
@@ -242,6 +242,17 @@ def replaced(args: tuple[str, ...], override: str) -> tuple[str, ...]:
 def _slug(text: str) -> str:
     """`text` as a file name part: runs of other characters than letters, digits, . _ - as one -."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
+
+
+def check_target(target: str) -> Path:
+    """A target given alone, checked before anything is made or said: its folder (or bundled name)
+    resolves and its tokenizer has the chat template its own conversations and the chats' replies
+    are written through; its folder, else an InputError naming target.path."""
+    folder = resolve_target_path(target, "target.path")
+    problem = target_prompts.template_problem(AutoTokenizer.from_pretrained(str(folder)), f"target.path {target}")
+    if problem:
+        raise InputError(problem)
+    return folder
 
 
 def check_gpu_memory(total_bytes: int) -> None:

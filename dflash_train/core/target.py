@@ -72,6 +72,10 @@ def resolve_target_path(path: str, setting: str = "target.path", weights: bool =
     if path == QWEN_CODER_TARGET:
         return qwen2_5_coder_dir()
     p = Path(path).expanduser()
+    if path.startswith("bundled:") and not p.exists():
+        raise MissingPath(f"{setting} {path}: no such bundled target; the bundled ones are "
+                          f"{', '.join((BUNDLED_TARGET, QWEN_CODER_TARGET, TINY_TARGET))}, or give the local folder of "
+                          f"your target")
     if not (p / "config.json").is_file():
         what = "no such folder" if not p.is_dir() else "not a Hugging Face model folder (no config.json)"
         raise MissingPath(f"{setting} {path}: {what}; give the local folder of your target, or '{BUNDLED_TARGET}'")

@@ -183,14 +183,22 @@ def turn_problem(text: str, stopped: bool) -> str | None:
     return None
 
 
+def template_problem(tokenizer, named: str) -> str | None:
+    """Why the target of `tokenizer` (`named`: the option and its value, for the message) cannot
+    write conversations: its tokenizer has no chat template. None when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    return (f"{named}: its tokenizer has no chat template, so it has no user turn to write: give the folder of a "
+            f"chat (instruct) model, whose tokenizer_config.json or chat_template.jinja holds its template")
+
+
 class Template:
     """Where the target's chat template opens a turn of a role, after the messages so far."""
 
     def __init__(self, tokenizer, name: str) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"--target {name}: its tokenizer has no chat template, so it has no user turn to "
-                            f"write: give the folder of a chat (instruct) model, whose tokenizer_config.json or "
-                            f"chat_template.jinja holds its template")
+        problem = template_problem(tokenizer, f"--target {name}")
+        if problem:
+            raise DataError(problem)
         self.tokenizer = tokenizer
         self.opening([], "user")  # a template that drops the user's words is no use here
         try:
