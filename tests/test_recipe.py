@@ -77,7 +77,8 @@ def test_a_target_given_alone_runs_the_recipe_on_its_own_data(monkeypatch, capsy
 def test_a_target_given_alone_is_checked_before_anything_is_said_or_made(monkeypatch, capsys, tmp_path):
     """A folder that is not there, a bundled name that is not one, a folder that is no model and
     a model whose tokenizer has no chat template: one line naming target.path, exit 2, no notice
-    and nothing written (the run's folder and its target-data are not made)."""
+    and nothing written (the run's folder and its target-data are not made); an output folder
+    that cannot be made is said in the same line as a wrong target."""
     import shutil
 
     from dflash_train.core.target import resolve_target_path
@@ -101,6 +102,12 @@ def test_a_target_given_alone_is_checked_before_anything_is_said_or_made(monkeyp
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.startswith(f"dflash-train train: target.path {target}: {said}")
         assert len(captured.err.strip().splitlines()) == 1 and not out.exists()
+    (tmp_path / "a-file").write_text("mine")  # an output folder that cannot be made, with a wrong target too
+    assert cli.main(["train", f"target.path={tmp_path / 'absent'}", "--output-dir", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflash-train train: output_dir {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not "
+                          f"a folder: choose a folder you can write in; target.path {tmp_path / 'absent'}: no such folder")
+    assert (tmp_path / "a-file").read_text() == "mine"
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def run_train(args) -> int:
         return recipe.run_recipe(plan)
     own = own_data_plan(args) if args.config is None else None
     if own is not None:
-        recipe.check_target(own.target)  # a wrong folder is said before the run says what it will do
+        recipe.check_own_data(own)  # a wrong folder is said before the run says what it will do
         print(recipe.own_data_notice(own), flush=True)
         return recipe.run_recipe(own)
     if args.output_dir:

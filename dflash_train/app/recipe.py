@@ -42,7 +42,7 @@ from transformers import AutoConfig, AutoTokenizer
 from dflash_train.bench.memory import Layout, Planner, largest_fitting, refusal
 from dflash_train.core.assets import cache_root, sharegpt_json
 from dflash_train.core.config import load_config
-from dflash_train.core.errors import INTERRUPTED, InputError
+from dflash_train.core.errors import INTERRUPTED, InputError, folder_problem, problems_of
 from dflash_train.core.signals import StopFlag
 from dflash_train.core.target import resolve_target_path, weight_bytes
 from dflash_train.data import regenerate, sources, target_prompts
@@ -244,10 +244,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
 
-def check_target(target: str) -> Path:
-    """A target given alone, checked before anything is made or said: its folder (or bundled name)
-    resolves and its tokenizer has the chat template its own conversations and the chats' replies
-    are written through; its folder, else an InputError naming target.path."""
+def check_own_data(plan: Recipe) -> None:
+    """A target given alone, checked before anything is made or said, every problem in one
+    InputError: the run's folder can be made and written in, the target's folder (or bundled name)
+    resolves, and its tokenizer has the chat template its own conversations and the chats'
+    replies are written through."""
+    problem = folder_problem(plan.output_dir)
+    problems = [f"output_dir {plan.output_dir}: {problem}: choose a folder you can write in"] if problem else []
+    problems += problems_of(lambda: check_chat_target(plan.target))
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+def check_chat_target(target: str) -> Path:
+    """`target`'s folder, resolved (an error naming target.path) and its tokenizer's chat template
+    there (InputError when it has none)."""
     folder = resolve_target_path(target, "target.path")
     problem = target_prompts.template_problem(AutoTokenizer.from_pretrained(str(folder)), f"target.path {target}")
     if problem:
