@@ -324,6 +324,9 @@ def test_the_command_checks_its_options_before_anything_loads(tmp_path, capsys):
     assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out), "--limit", "3",
                  "--temperature", "0"]) == 2
     assert "--temperature must be > 0" in capsys.readouterr().err
+    assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out), "--limit", "3",
+                 "--turns", "0"]) == 2
+    assert "--turns must be >= 1, got 0" in capsys.readouterr().err  # the flag's name, not the option's
     assert main(["data", "source", "--source", "word-problems", "--limit", "3", "--out", str(out),
                  "--turns", "2"]) == 2
     assert "--turns: options of --source target-prompts, not of word-problems" in capsys.readouterr().err

@@ -100,7 +100,7 @@ class TargetPromptOptions:
         p = []
         for name in ("limit", "max_turns", "max_prompt_tokens", "max_new_tokens", "max_length", "batch_size"):
             if getattr(self, name) < 1:
-                p.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                p.append(f"--{FLAG_OF.get(name, name).replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
             p.append(f"--temperature must be > 0: the target writes varied prompts only when it samples, "
                      f"got {self.temperature}")
@@ -111,6 +111,10 @@ class TargetPromptOptions:
         if not 0 < self.near_duplicate <= 1:
             p.append(f"--near-duplicate must be in (0, 1], got {self.near_duplicate}")
         return p
+
+
+# The `data source` flag of an option whose name differs from it (problems name the flag)
+FLAG_OF = {"max_turns": "turns"}
 
 
 @dataclass
