@@ -461,6 +461,16 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     own = Recipe.own_data("/models/Qwen3 8B", "cuda")  # a target alone: its data in its run folder
     assert own.output_dir == "runs/models-Qwen3-8B" and own.data_root() == Path("runs/models-Qwen3-8B/target-data")
     assert own.target_prompts > 0 and own.budget_s == recipe.OWN_DATA_BUDGET_S
+    # a budget above the recipe's buys its own conversations, chats and steps in proportion; one below
+    # keeps the sizes (the data stops at its share, the schedule is fitted to the time left)
+    twice = Recipe.own_data("/models/Qwen3 8B", "cuda", budget_s=2 * recipe.OWN_DATA_BUDGET_S)
+    assert (twice.target_prompts, twice.records, twice.steps) == (2 * own.target_prompts, 2 * own.records,
+                                                                  2 * own.steps)
+    assert twice.budget_s == 3600 and replace(twice, target_prompts=own.target_prompts, records=own.records,
+                                              steps=own.steps, budget_s=own.budget_s) == own
+    half = Recipe.own_data("/models/Qwen3 8B", "cuda", budget_s=900)
+    assert (half.target_prompts, half.records, half.steps, half.budget_s) == (own.target_prompts, own.records,
+                                                                              own.steps, 900)
     assert own.target_prompt_path().parent == own.data_root() == own.regenerated_path().parent
     # the cut of a written turn names the file only where it is not target_prompts' own default
     assert "-cut" not in own.target_prompt_path().name and own.prompt_max_tokens == 512

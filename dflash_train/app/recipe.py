@@ -161,12 +161,16 @@ class Recipe:
                  budget_s: float | None = None) -> "Recipe":
         """A target given alone (`dflash-train train target.path=DIR`): the target writes its own
         conversations and answers the bundled chats and the offline prompt sources; sized for a GPU
-        by `budget_s` (default: OWN_DATA_BUDGET_S), on a CPU to a smoke run of minutes."""
+        by `budget_s` (default: OWN_DATA_BUDGET_S; a larger one scales its own conversations, the
+        chats and the schedule's steps with it, a smaller one cuts the data at its share of the
+        budget and fits the schedule to the time left), on a CPU to a smoke run of minutes."""
         out = output_dir or f"runs/{_slug(target.removeprefix('bundled:'))}"
         if device == "cuda":
-            return cls(target=target, target_prompts=OWN_DATA_TARGET_PROMPTS, output_dir=out,
-                       data_dir=f"{out}/target-data", steps=OWN_DATA_STEPS, max_time_s=1e9,
-                       budget_s=budget_s or OWN_DATA_BUDGET_S,
+            budget = budget_s or OWN_DATA_BUDGET_S
+            scale = max(1.0, budget / OWN_DATA_BUDGET_S)  # a larger budget buys data and steps alike
+            return cls(target=target, target_prompts=round(OWN_DATA_TARGET_PROMPTS * scale),
+                       records=round(cls.records * scale), output_dir=out, data_dir=f"{out}/target-data",
+                       steps=round(OWN_DATA_STEPS * scale), max_time_s=1e9, budget_s=budget,
                        train_args=replaced(QUALITY_TRAIN_ARGS, f"drafter.num_layers={OWN_DATA_DRAFTER_LAYERS}"))
         return cls(target=target, records=16, target_prompts=8, prompt_max_candidates=64, max_new_tokens=32,
                    max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
