@@ -356,8 +356,8 @@ def _data_made(plan: Recipe) -> str:
     prompts = "".join(f" and up to {count:,} {name} prompts" for name, count in plan.sources)
     samples = (f", then {plan.reply_samples} sampled repl{'y' if plan.reply_samples == 1 else 'ies'} more to each "
                f"prompt (T={plan.sample_temperature:g}, top-p {plan.sample_top_p:g})") if plan.reply_samples else ""
-    return (f"writes {plan.target_prompts:,} conversations of its own and answers {plan.records:,} bundled ShareGPT "
-            f"conversations{prompts}{samples} into {plan.data_root()}")
+    return (f"writes {plan.target_prompts:,} conversations of its own and answers up to {plan.records:,} bundled "
+            f"ShareGPT conversations{prompts}{samples} into {plan.data_root()}")
 
 
 def run_recipe(plan: Recipe = Recipe(), log=print) -> int:
