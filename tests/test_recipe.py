@@ -105,8 +105,9 @@ def test_a_target_given_alone_is_checked_before_anything_is_said_or_made(monkeyp
     (tmp_path / "a-file").write_text("mine")  # an output folder that cannot be made, with a wrong target too
     assert cli.main(["train", f"target.path={tmp_path / 'absent'}", "--output-dir", str(tmp_path / "a-file")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"dflash-train train: output_dir {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not "
-                          f"a folder: choose a folder you can write in; target.path {tmp_path / 'absent'}: no such folder")
+    file, absent = tmp_path / "a-file", tmp_path / "absent"
+    assert err.startswith(f"dflash-train train: output_dir {file}: {file} is a file, not a folder: choose a folder you "
+                          f"can write in; target.path {absent}: no such folder")
     assert (tmp_path / "a-file").read_text() == "mine"
 
 
@@ -188,8 +189,8 @@ def test_sampled_replies_follow_the_greedy_data_seed_by_seed_within_the_budget(t
     assert files == [chats, problems, *sampled]
     assert sampled[0].name == chats.stem + "-sampled-t0.8-p0.9-s1.jsonl"
     assert calls[:2] == [(sharegpt_json().name, chats.name, None), ("word-problems-3.jsonl", problems.name, None)]
-    assert calls[2:] == [(path.name, plan.sampled_path(path, seed).name,
-                          {"temperature": 0.8, "top_p": 0.9, "seed": seed}) for seed in (1, 2) for path in (chats, problems)]
+    assert calls[2:] == [(path.name, plan.sampled_path(path, seed).name, {"temperature": 0.8, "top_p": 0.9, "seed": seed})
+                         for seed in (1, 2) for path in (chats, problems)]
     assert [sum(1 for _ in open(path)) for path in files] == [4, 3, 4, 3, 4, 3]
     assert "then 2 sampled replies more to each prompt (T=0.8, top-p 0.9)" in recipe.own_data_notice(plan)
     calls.clear()
