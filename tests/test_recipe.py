@@ -40,6 +40,9 @@ def test_the_embedded_default_runs_the_recipe_where_a_gpu_is_visible(monkeypatch
     assert "runs/default-gpu/target-data" in first and "train.device=cpu" in first
     assert cli.main(["train", "--output-dir", str(tmp_path / "mine")]) == 0
     assert plans[-1].output_dir == str(tmp_path / "mine")
+    (tmp_path / "a-file").write_text("")  # a folder it cannot make: said before anything, as for any target
+    assert cli.main(["train", "--output-dir", str(tmp_path / "a-file" / "run")]) == 2 and len(plans) == 2
+    assert capsys.readouterr().err.startswith(f"dflash-train train: output_dir {tmp_path / 'a-file' / 'run'}: ")
     # Any override or config is a run of the user's own: the recipe does not replace it.
     assert cli.main(["train", "train.device=cpu", "train.max_steps=3"]) == 0
     assert len(plans) == 2 and configs[-1].train.max_steps == 3 and configs[-1].drafter.num_layers == 1

@@ -65,6 +65,7 @@ def run_train(args) -> int:
     overrides = list(args.overrides)
     if args.config is None and not overrides and gpu_default_applies():
         plan = recipe.gpu_default(args.output_dir)
+        recipe.check_own_data(plan)
         print(recipe.notice(plan), flush=True)
         return recipe.run_recipe(plan)
     own = own_data_plan(args) if args.config is None else None
