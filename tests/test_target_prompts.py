@@ -265,6 +265,29 @@ def test_the_writer_drops_and_cuts_by_the_filters_and_keeps_the_first_copy(smoll
                       "empty answer": 1}
 
 
+def test_a_system_turn_that_leaves_no_room_for_the_user_turn_is_dropped(smollm2_tokenizer):
+    """A written system message after which the user turn's budget would pass max_length is
+    dropped as over-long, and the user turn is written without it. Here the system message (within
+    its own budget, max_prompt_tokens) is longer than max_length: asking the user turn after it
+    handed the sampling engine a prompt longer than its caches, which failed the whole run."""
+    long_system = "You are a careful assistant who " + "always explains every step in detail and " * 7
+    settings = options(max_turns=1, system_share=1.0, max_prompt_tokens=64, max_new_tokens=8, max_length=40)
+    assert settings.max_length < len(smollm2_tokenizer(long_system)["input_ids"]) <= settings.max_prompt_tokens
+
+    class Bounded(Scripted):  # the engine's own bound: a prompt and its new tokens within a row's positions
+        def submit(self, key, text, ids, seed):
+            assert len(ids) <= settings.max_length + 2, len(ids)
+            super().submit(key, text, ids, seed)
+
+    counts = {}
+    writer = Writer(Template(smollm2_tokenizer, "smollm2"), Bounded({0: [(long_system, True), ("Why?", True)]}),
+                    Scripted({0: [("Because.", True)]}), settings, counts)
+    kept = writer.write([Conversation(0, 1, True)], Deduplicator(0.8))
+    assert [c.index for c in kept] == [0]
+    assert kept[0].messages == [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]
+    assert counts == {"system turns dropped: over-long": 1}
+
+
 class OneAtATime(Scripted):
     """A Scripted responder that finishes one turn per poll and notes, at each submit, how many
     turns the other engine still holds."""

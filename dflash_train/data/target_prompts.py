@@ -289,6 +289,9 @@ class Writer:
         conversation without one; a failed first user turn (or one that repeats a record kept
         before the chunk) drops the candidate; a failed later one ends the conversation before it."""
         reason = turn_problem(text, stopped)
+        if reason is None and role == "system" and not self.fits(c, self.options.max_prompt_tokens,
+                                                                 {"role": role, "content": text.strip()}):
+            reason = "over-long"  # no room left after it for the user turn it opens
         first = role == "user" and c.users == 0
         if reason is None:
             c.messages.append({"role": role, "content": text.strip()})
@@ -335,9 +338,11 @@ class Writer:
         else:
             self.drop(c, reason)
 
-    def fits(self, c: Conversation, new_tokens: int) -> bool:
-        """The conversation so far plus `new_tokens` more stays within max_length."""
-        context = self.template.ids(render(self.template.tokenizer, c.messages))
+    def fits(self, c: Conversation, new_tokens: int, then: dict | None = None) -> bool:
+        """The conversation so far (and the message `then` after it) plus `new_tokens` more stays
+        within max_length."""
+        messages = c.messages if then is None else [*c.messages, then]
+        context = self.template.ids(render(self.template.tokenizer, messages))
         return len(context) + new_tokens <= self.options.max_length
 
     def drop(self, c: Conversation, reason: str) -> None:
