@@ -260,14 +260,19 @@ def check_own_data(plan: Recipe) -> None:
         raise InputError("; ".join(problems))
 
 
-def check_chat_target(target: str) -> Path:
-    """`target`'s folder, resolved (an error naming target.path) and its tokenizer's chat template
-    there (InputError when it has none)."""
+def check_chat_target(target: str) -> None:
+    """`target`'s folder resolves (an error naming target.path) and its tokenizer has a chat
+    template (InputError when it has none)."""
     folder = resolve_target_path(target, "target.path")
     problem = target_prompts.template_problem(AutoTokenizer.from_pretrained(str(folder)), f"target.path {target}")
     if problem:
         raise InputError(problem)
-    return folder
+
+
+def _lines(path: Path) -> int:
+    """The lines of a JSONL file the run made or reads: its records."""
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
 
 
 def check_gpu_memory(total_bytes: int) -> None:
@@ -444,9 +449,7 @@ def sampled_replies(plan: Recipe, files: list[Path], rows: int, deadline: float 
                 return made
             _release()
             out = plan.sampled_path(answered, seed)
-            with open(answered, "rb") as f:
-                want = sum(1 for _ in f)
-            if _regenerate_up_to(plan, answered, out, want, rows, f"sampled replies (seed {seed}) of {answered.name}",
+            if _regenerate_up_to(plan, answered, out, _lines(answered), rows, f"sampled replies (seed {seed}) of {answered.name}",
                                  deadline, log, seed=seed):
                 return None
             if out.is_file() and out.stat().st_size:
@@ -557,7 +560,7 @@ def _regenerate_up_to(plan: Recipe, data, out: Path, want: int, rows: int, what:
     """`out` regenerated from `data` until it holds `want` records (resumed; nothing to do when
     it does) or `deadline` passes, logged as `what`: at plan.regen_temperature, or with `seed`
     (1 and up) sampled at plan.sample_temperature / plan.sample_top_p. True when a signal stopped it."""
-    have = sum(1 for _ in open(out, "rb")) if out.is_file() else 0
+    have = _lines(out) if out.is_file() else 0
     if have >= want:
         log(f"dflash-train train: {out} already holds {have} regenerated {what}")
         return False
@@ -685,8 +688,7 @@ def _regenerate_source(plan: Recipe, name: str, count: int, rows: int, deadline:
     if writer is not None:
         writer.join()
     if writer is not None and writer.exitcode == 0:
-        with open(prompts, "rb") as f:
-            total = sum(1 for _ in f)
+        total = _lines(prompts)
     else:
         total = sources.write_source(name, prompts, limit=count)
     answered = plan.source_answers(name, count, prompts)
