@@ -64,6 +64,10 @@ def test_a_target_given_alone_runs_the_recipe_on_its_own_data(monkeypatch, capsy
                      "--output-dir", str(tmp_path / "own")]) == 0
     assert plans == [Recipe.own_data(TINY, "cpu", str(tmp_path / "own"), 900.0)] and configs == []
     assert plans[0].target_prompts > 0 and plans[0].records > 0 and plans[0].device == "cpu"
+    # The output folder as an override, as any run is given one, is the same run's.
+    assert cli.main(["train", f"target.path={TINY}", "train.device=cpu", f"output_dir={tmp_path / 'o'}"]) == 0
+    assert plans[-1] == Recipe.own_data(TINY, "cpu", str(tmp_path / "o")) and configs == []
+    plans.pop()
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"dflash-train train: no data given: {TINY} writes ")
     for described in ([f"target.path={TINY}", "data.paths=[bundled:sharegpt]"],

@@ -83,19 +83,21 @@ def run_train(args) -> int:
 
 
 # The overrides a target given alone may come with; anything else is a run of the user's own design.
-OWN_DATA_KEYS = ("target.path", "train.device", "train.max_time_s")
+OWN_DATA_KEYS = ("target.path", "train.device", "train.max_time_s", "output_dir")
 
 
 def own_data_plan(args) -> recipe.Recipe | None:
     """The recipe on the target's own data when the overrides name `target.path` and nothing but
     OWN_DATA_KEYS (no data.paths): the device's sizes, `train.max_time_s` as the budget of the
-    data and the training together. Other override sets: None."""
+    data and the training together, `output_dir` (or --output-dir, which wins) its folder. Other
+    override sets: None."""
     settings = dict(item.split("=", 1) for item in args.overrides if "=" in item)
     if "target.path" not in settings or set(settings) - set(OWN_DATA_KEYS) or len(settings) != len(args.overrides):
         return None
     cfg = load_config(None, list(args.overrides))  # checked as any override is
     device = resolve_device(cfg.train.device)
-    return recipe.Recipe.own_data(cfg.target.path, device.type, args.output_dir, cfg.train.max_time_s)
+    return recipe.Recipe.own_data(cfg.target.path, device.type, args.output_dir or settings.get("output_dir"),
+                                  cfg.train.max_time_s)
 
 
 def gpu_default_applies() -> bool:
