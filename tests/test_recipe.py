@@ -484,6 +484,9 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert "-cut" not in own.target_prompt_path().name and own.prompt_max_tokens == 512
     assert replace(own, prompt_max_tokens=128).target_prompt_path().name == \
         own.target_prompt_path().name.replace("-new", "-cut128-new")
+    # on a CPU a written turn is cut so that, with its answer, it leaves room for another written turn
+    cpu = Recipe.own_data("/models/Qwen3 8B", "cpu")
+    assert 2 * cpu.prompt_max_tokens + cpu.max_new_tokens <= cpu.max_prompt_length + cpu.max_new_tokens
     # its drafter is deeper than the quality recipe's, every other training setting the same
     cfg = load_config(None, own.train_overrides([path]))
     assert cfg.drafter.num_layers == recipe.OWN_DATA_DRAFTER_LAYERS == 8

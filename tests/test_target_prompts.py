@@ -112,6 +112,7 @@ def test_the_last_chunks_write_only_the_candidates_the_records_still_needed_take
     assert target_prompts.chunk_size(2048, 5000, 910, 1000) == 2048
     assert target_prompts.chunk_size(2048, 670, 9330, 10240) == 862  # 670 x 10,240 / 9,330 x 1.15 = 845.6, + 16
     assert target_prompts.chunk_size(2048, 1, 10, 10) == 18
+    assert target_prompts.chunk_size(16, 1, 7, 16) == 3 + 4  # a CPU's 4 rows: a batch of margin, not 16
     tried = []
     monkeypatch.setattr(target_prompts, "MARGIN_CANDIDATES", 0)  # chunks of 16 candidates here
     real = target_prompts.Writer.candidates

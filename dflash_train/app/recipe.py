@@ -82,7 +82,12 @@ OWN_DATA_DRAFTER_LAYERS = 8
 # 280 s on an H100) and training; data prepare, the warm-up and serving come on top (about 140 s).
 GPU_DEFAULT_TARGET_PROMPTS = 5_000
 GPU_DEFAULT_BUDGET_S = 740.0
-# A target given alone on a CPU: the smoke-sized drafter of config.EMBEDDED_DEFAULT.
+# A target given alone on a CPU: its written turns cut at this many tokens, so that a written turn
+# and its answer leave room for another in the smoke run's 288-token conversations (at the GPU's
+# 512 none did: every conversation had one turn, and every system message was dropped), and a 0.5B
+# target writes its conversations in minutes on two cores, not in a quarter of an hour.
+CPU_PROMPT_MAX_TOKENS = 96
+# ... and the smoke-sized drafter of config.EMBEDDED_DEFAULT.
 CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512", "data.token_budget=2048",
                                    "data.max_batch_size=16", "objective.num_anchors=16", "optim.lr=1e-3",
                                    "train.anchor_multiple=16")
@@ -172,8 +177,8 @@ class Recipe:
                        records=round(cls.records * scale), output_dir=out, data_dir=f"{out}/target-data",
                        steps=round(OWN_DATA_STEPS * scale), max_time_s=1e9, budget_s=budget,
                        train_args=replaced(QUALITY_TRAIN_ARGS, f"drafter.num_layers={OWN_DATA_DRAFTER_LAYERS}"))
-        return cls(target=target, records=16, target_prompts=8, prompt_max_candidates=64, max_new_tokens=32,
-                   max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
+        return cls(target=target, records=16, target_prompts=8, prompt_max_candidates=64,
+                   prompt_max_tokens=CPU_PROMPT_MAX_TOKENS, max_new_tokens=32, max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
                    data_dir=f"{out}/target-data", steps=12, max_time_s=budget_s or 1e9, validation=4, eval_every=6,
                    train_args=CPU_TRAIN_ARGS, eval_limit=2, eval_max_new_tokens=16, speedup_turns=1, workers=1,
                    eval_batch_size=2, device="cpu", prompts_aside=False, own_aside=False)

@@ -57,7 +57,7 @@ REFUSAL = re.compile(r"^\W*(i'?m sorry|i am sorry|sorry[,.!]|i apologi[sz]e|i ca
                      r"as a language model|certainly[,!.]|sure[,!]|of course[,!]|here is |here's )", re.IGNORECASE)
 PROGRESS_EVERY_S = 30.0
 # The last chunks: candidates for the records still needed at the rate kept so far, times KEEP_MARGIN,
-# plus MARGIN_CANDIDATES (a chunk that falls short is followed by another)
+# plus MARGIN_CANDIDATES, at most one engine batch (a chunk that falls short is followed by another)
 KEEP_MARGIN = 1.15
 MARGIN_CANDIDATES = 16
 
@@ -457,11 +457,14 @@ def responders(model, tokenizer, options: TargetPromptOptions) -> tuple[LocalRes
 def chunk_size(full: int, need: int, kept: int, tried: int) -> int:
     """Candidates in the next chunk: a full one (four engine batches) until the candidates tried
     so far tell how many a kept record takes, then no more than the records still needed take,
-    with a margin (KEEP_MARGIN): the last chunk no longer writes up to a whole chunk of
-    conversations only to cut them off. Which candidates are kept does not depend on it."""
+    with a margin (KEEP_MARGIN, and MARGIN_CANDIDATES but no more than an engine batch, a quarter
+    of `full`: on a CPU's few rows 16 spare candidates cost as much as the records): the last chunk
+    no longer writes up to a whole chunk of conversations only to cut them off. Which candidates
+    are kept does not depend on it."""
     if kept <= 0 or tried <= 0:
         return full
-    return max(1, min(full, math.ceil(need * tried / kept * KEEP_MARGIN) + MARGIN_CANDIDATES))
+    margin = min(MARGIN_CANDIDATES, max(1, full // 4))
+    return max(1, min(full, math.ceil(need * tried / kept * KEEP_MARGIN) + margin))
 
 
 def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log) -> dict:
