@@ -178,7 +178,8 @@ class Recipe:
                        steps=round(OWN_DATA_STEPS * scale), max_time_s=1e9, budget_s=budget,
                        train_args=replaced(QUALITY_TRAIN_ARGS, f"drafter.num_layers={OWN_DATA_DRAFTER_LAYERS}"))
         return cls(target=target, records=16, target_prompts=8, prompt_max_candidates=64,
-                   prompt_max_tokens=CPU_PROMPT_MAX_TOKENS, max_new_tokens=32, max_prompt_length=256, regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
+                   prompt_max_tokens=CPU_PROMPT_MAX_TOKENS, max_new_tokens=32, max_prompt_length=256,
+                   regen_batch_size=8, sources=(("word-problems", 8),), output_dir=out,
                    data_dir=f"{out}/target-data", steps=12, max_time_s=budget_s or 1e9, validation=4, eval_every=6,
                    train_args=CPU_TRAIN_ARGS, eval_limit=2, eval_max_new_tokens=16, speedup_turns=1, workers=1,
                    eval_batch_size=2, device="cpu", prompts_aside=False, own_aside=False)
@@ -454,8 +455,8 @@ def sampled_replies(plan: Recipe, files: list[Path], rows: int, deadline: float 
                 return made
             _release()
             out = plan.sampled_path(answered, seed)
-            if _regenerate_up_to(plan, answered, out, _lines(answered), rows, f"sampled replies (seed {seed}) of {answered.name}",
-                                 deadline, log, seed=seed):
+            what = f"sampled replies (seed {seed}) of {answered.name}"
+            if _regenerate_up_to(plan, answered, out, _lines(answered), rows, what, deadline, log, seed=seed):
                 return None
             if out.is_file() and out.stat().st_size:
                 made.append(out)
