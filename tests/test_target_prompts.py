@@ -351,6 +351,11 @@ def test_the_command_checks_its_options_before_anything_loads(tmp_path, capsys):
     assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out), "--limit", "3",
                  "--turns", "0"]) == 2
     assert "--turns must be >= 1, got 0" in capsys.readouterr().err  # the flag's name, not the option's
+    # a written turn and its answer that cannot fit a conversation (every record would be one turn, or none)
+    assert main(["data", "source", "--source", "target-prompts", "--target", TINY, "--out", str(out), "--limit", "3",
+                 "--max-prompt-tokens", "512", "--max-new-tokens", "32", "--max-length", "288"]) == 2
+    assert "--max-prompt-tokens 512 and --max-new-tokens 32 pass --max-length 288: a written turn and its answer " \
+           "must fit a conversation" in capsys.readouterr().err
     assert main(["data", "source", "--source", "word-problems", "--limit", "3", "--out", str(out),
                  "--turns", "2"]) == 2
     assert "--turns: options of --source target-prompts, not of word-problems" in capsys.readouterr().err

@@ -110,6 +110,12 @@ class TargetPromptOptions:
             p.append(f"--system-share must be in [0, 1], got {self.system_share}")
         if not 0 < self.near_duplicate <= 1:
             p.append(f"--near-duplicate must be in (0, 1], got {self.near_duplicate}")
+        if min(self.max_prompt_tokens, self.max_new_tokens, self.max_length) >= 1 and \
+                self.max_prompt_tokens + self.max_new_tokens > self.max_length:
+            # A turn written to its budget and answered to its own would be dropped as over-long.
+            p.append(f"--max-prompt-tokens {self.max_prompt_tokens} and --max-new-tokens {self.max_new_tokens} "
+                     f"pass --max-length {self.max_length}: a written turn and its answer must fit a conversation; "
+                     f"raise --max-length or lower the other two")
         return p
 
 
