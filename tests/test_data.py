@@ -7,6 +7,7 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -343,6 +344,12 @@ def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatc
         assert again.cached and again.report == first.report and len(again.dataset) == 2
         with pytest.raises(AssertionError, match="must not tokenize"):  # a setting changed
             preparation.prepare([src], smollm2_path, tmp_path / "out", max_length=64, log=lambda *_: None)
+        # The reader changed (how records are read, their conversation keys): prepared again.
+        reader = tmp_path / "chat_files.py"
+        reader.write_bytes(Path(chat_files.__file__).read_bytes() + b"\n# changed\n")
+        patch.setattr(preparation, "PREPARED_BY", (preparation.PREPARED_BY[0], reader))
+        with pytest.raises(AssertionError, match="must not tokenize"):
+            preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     write_jsonl(src, [SHAREGPT])  # the input changed
     third = preparation.prepare([src], smollm2_path, tmp_path / "out", log=lambda *_: None)
     assert not third.cached and third.report["num_samples"] == 1

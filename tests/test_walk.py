@@ -19,7 +19,7 @@ from conftest import TINY, tiny_target_config
 from dflash_train.app.cli import main
 from dflash_train.core.config import ConfigError, DataSection, load_config
 from dflash_train.core.target import Target
-from dflash_train.data.batching import conversation_keys, greedy_where_any, validation_split
+from dflash_train.data.batching import conversation_keys, one_version_each, validation_split
 from dflash_train.data.chat_files import conversation_key
 from dflash_train.engine.acceptance import turn_mean_tau
 from dflash_train.engine.decoder import speculative_generate, target_generate
@@ -169,10 +169,10 @@ def test_sampled_replies_of_held_out_conversations_are_neither_walked_nor_traine
     assert validation["sampled"] == [False] * 3 and all(s.endswith(f"{greedy}:{s.rsplit(':', 1)[1]}")
                                                           for s in validation["source"])
     assert len(training) == 18 and training["sampled"].count(True) == 9  # the other 9 prompts' sampled replies
-    assert "3 conversations (3 samples) held out" in lines[0] and "3 samples of theirs with sampled replies" in lines[0]
+    assert "3 conversations (3 samples) held out" in lines[0] and "3 samples of theirs from other versions" in lines[0]
     only_sampled = Dataset.from_dict({"sampled": [False, True, True, True], "conversation": ["a", "a", "b", "c"]})
-    assert greedy_where_any(only_sampled, np.array([0, 1, 2]), only_sampled["conversation"])[0].tolist() == [0, 2]
-    assert greedy_where_any(only_sampled, np.array([1, 2, 3]), only_sampled["conversation"])[1] == 0
+    assert one_version_each(only_sampled, np.array([0, 1, 2]), only_sampled["conversation"])[0].tolist() == [0, 2]
+    assert one_version_each(only_sampled, np.array([1, 2, 3]), only_sampled["conversation"])[1] == 0
     everything_sampled = dataset.select(range(12, 24))  # regenerated only with sampling: walked as it is
     _, walked = split_data(load_config(TINY, ["data.validation=3"]), everything_sampled, log=lambda *a: None)
     assert len(walked) == 3 and walked["sampled"] == [True] * 3
@@ -244,13 +244,36 @@ def test_a_resume_with_another_validation_split_is_refused():
     assert streams[1].check_state(older) == 3
 
 
-def test_conversation_key_is_the_prompt_side_so_regenerated_chats_stay_on_their_side():
+def test_a_held_out_conversation_is_walked_once_whatever_its_versions():
+    """Records that share an opening are one conversation: held out together, and of them one
+    record is walked (its first greedy one; all of that record's samples), so that 70 chats
+    opening with "continue" do not weigh one first reply 70 times; the others are neither
+    walked nor trained on. A record's several samples (a template that rewrites earlier turns)
+    stay together."""
+    rows = Dataset.from_dict({
+        "conversation": ["a", "a", "a", "a", "b", "c", "c"],
+        "source": ["f:1", "f:1", "f:2", "g:1", "f:3", "g:2", "f:4"],
+        "sampled": [False, False, False, False, False, True, False],
+    })
+    walked, left_out = one_version_each(rows, np.arange(7), rows["conversation"])
+    assert walked.tolist() == [0, 1, 4, 6] and left_out == 3
+    walked, left_out = one_version_each(rows, np.array([2, 3, 5]), rows["conversation"])
+    assert walked.tolist() == [2, 5] and left_out == 1
+    no_source = rows.remove_columns("source")  # data without the column: every greedy sample
+    assert one_version_each(no_source, np.arange(7), no_source["conversation"])[0].tolist() == [0, 1, 2, 3, 4, 6]
+
+
+def test_conversation_key_is_the_opening_so_regenerated_chats_stay_on_their_side():
     raw = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "A joke."},
            {"role": "assistant", "content": "No."}]
     regenerated = [dict(m, content="(the target's own answer)") if m["role"] == "assistant" else m for m in raw]
     assert conversation_key(raw) == conversation_key(regenerated)
-    assert conversation_key(raw) != conversation_key(raw[:3])  # another user turn: another conversation
+    # A version cut short by a token budget (sampled replies run longer and keep fewer turns) is
+    # the same conversation: keyed apart, its twin could train while it is walked.
+    assert conversation_key(raw) == conversation_key(raw[:3]) == conversation_key(raw[:2])
+    assert conversation_key(raw) != conversation_key(raw[1:])  # another system turn
+    assert conversation_key(raw) != conversation_key([raw[0], dict(raw[1], content="Hey")])
     # Rows without the column (data prepared by an earlier version): the first prompt's tokens.
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [1, 2, 9, 9], [7, 2, 3, 4]],
                               "loss_mask": [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]], "length": [4, 4, 4]})

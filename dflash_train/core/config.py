@@ -116,8 +116,8 @@ class DataSection:
     validation: int | float = 0
     """Conversations held out of training for validation (walked tau and validation loss every
     `eval.every` steps): a count (an integer >= 1), a fraction in (0, 1), or 0 (off). Picked by
-    a seeded hash of each conversation's prompt side (its system and user turns), so the split
-    is the same in every run on the same data, whatever the order of the files and the other
+    a seeded hash of each conversation's opening (its system turns and first user turn), so the
+    split is the same in every run on the same data, whatever the order of the files and the other
     settings (data.limit, the target, train.seed); every sample of a held-out conversation is
     held out. A fraction holds out each conversation whose hash falls below it; a count the
     conversations with the smallest hashes. docs/DATA.md, "Validation split"."""

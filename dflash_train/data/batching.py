@@ -213,10 +213,10 @@ class BatchStream:
 
 
 def conversation_keys(dataset) -> list[str]:
-    """The conversation of every sample: preparation.prepare's `conversation` column (a hash of the
-    conversation's system and user turns), or, for data without it (prepared by an earlier
-    version, or rows built in code), a hash of the sample's tokens before its first supervised
-    token, its first prompt."""
+    """The conversation of every sample: preparation.prepare's `conversation` column (a hash of
+    the conversation's opening: system turns and first user turn), or, for data without it
+    (prepared by an earlier version, or rows built in code), a hash of the sample's tokens before
+    its first supervised token, its first prompt."""
     if "conversation" in dataset.column_names:
         return list(dataset["conversation"])
     keys = []
@@ -227,19 +227,31 @@ def conversation_keys(dataset) -> list[str]:
     return keys
 
 
-def greedy_where_any(dataset, indices: np.ndarray, keys: Sequence[str]) -> tuple[np.ndarray, int]:
-    """(the samples of `indices` to walk, how many were left out): of a conversation (`keys`, by
-    sample) that has samples with greedy replies among `indices`, its samples with sampled ones
-    (prepare's `sampled` column) are left out, since serving at T=0 sees the target's greedy
-    replies; a conversation with sampled replies only keeps them (data regenerated only at T > 0).
-    Data prepared without the column counts as greedy."""
-    if "sampled" not in dataset.column_names or not len(indices):
+def one_version_each(dataset, indices: np.ndarray, keys: Sequence[str]) -> tuple[np.ndarray, int]:
+    """(the samples of `indices` to walk, how many were left out): of each held-out conversation
+    (`keys`, by sample), the samples of one record, its first with greedy replies (prepare's
+    `sampled` column) or, where it has none (data regenerated only at T > 0), its first. Records
+    sharing an opening are versions of one conversation: the greedy and the sampled replies to it,
+    one cut short by a token budget, chats that open alike ("continue") and whose first T=0 reply
+    is the same; walking them all would weigh one opening many times, and serving at T=0 sees the
+    greedy replies. The other versions are neither walked nor trained on. Records are told apart
+    by prepare's `source` column (a record's several samples, from a template that rewrites earlier
+    turns, are walked together); data without it walks every sample that is not sampled beside a
+    greedy one."""
+    if not len(indices):
         return indices, 0
-    sampled = np.asarray(dataset.select(indices)["sampled"], dtype=bool)
-    greedy = {keys[i] for i, is_sampled in zip(indices, sampled) if not is_sampled}
-    left_out = np.fromiter((is_sampled and keys[i] in greedy for i, is_sampled in zip(indices, sampled)),
-                           dtype=bool, count=len(indices))
-    return indices[~left_out], int(left_out.sum())
+    columns = dataset.column_names
+    sampled = (np.asarray(dataset.select(indices)["sampled"], dtype=bool) if "sampled" in columns
+               else np.zeros(len(indices), dtype=bool))
+    records = list(dataset.select(indices)["source"]) if "source" in columns else [None] * len(indices)
+    chosen: dict[str, tuple[bool, Any]] = {}  # key -> (sampled, record): greedy before sampled, then data order
+    for i, is_sampled, record in zip(indices, sampled, records):
+        key = keys[i]
+        if key not in chosen or (chosen[key][0] and not is_sampled):
+            chosen[key] = (bool(is_sampled), record)
+    keep = np.fromiter((chosen[keys[i]][0] == is_sampled and (record is None or chosen[keys[i]][1] == record)
+                        for i, is_sampled, record in zip(indices, sampled, records)), dtype=bool, count=len(indices))
+    return indices[keep], int((~keep).sum())
 
 
 def split_hash(seed: int, key: str) -> float:
@@ -252,7 +264,7 @@ def split_hash(seed: int, key: str) -> float:
 def validation_split(keys: Sequence[str], validation: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(training, validation) sample indices, each in data order. `validation` is 0 (nothing
     held out), a fraction in (0, 1) (the conversations whose hash is below it) or a count >= 1
-    (the conversations with the smallest hashes; identical prompt sides count once). Every
+    (the conversations with the smallest hashes; identical openings count once). Every
     sample of a held-out conversation is held out. Raises ValueError when nothing would be
     left to train on."""
     keys = list(keys)

@@ -51,7 +51,7 @@ UNFINISHED = "unfinished"
 # A record's optional field (either format): its replies were sampled, not greedy, and with what
 # (`data regenerate --temperature` > 0 writes {"temperature", "top_p", "seed"}). Serving at T=0 sees
 # the target's greedy replies, so the validation split walks no such record of a conversation
-# that also has greedy ones (batching.greedy_where_any).
+# that also has greedy ones (batching.one_version_each).
 SAMPLED_REPLIES = "sampled_replies"
 
 
@@ -465,12 +465,14 @@ def trim_conversation(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def conversation_key(messages: list[dict[str, str]]) -> str:
-    """What identifies a conversation for the validation split: a hash of its prompt side (the
-    system and user turns, in order), so that the raw and the regenerated versions of a chat,
-    several sampled responses to one prompt, and the samples of a template that rewrites
-    earlier turns all fall on the same side of the split."""
-    prompt_side = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
-    return hashlib.sha256(json.dumps(prompt_side).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    """What identifies a conversation for the validation split: a hash of its opening (the
+    system turns before its first user turn and that turn), so that the raw and the regenerated
+    versions of a chat, several sampled replies to one prompt, a version cut short by a token
+    budget (fewer turns) and the samples of a template that rewrites earlier turns all fall on
+    the same side of the split."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    opening = [[m["role"], m["content"]] for m in messages[:first_user + 1] if m["role"] != "assistant"]
+    return hashlib.sha256(json.dumps(opening).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def nothing_usable(files: Iterable[str | os.PathLike], num_records: int, skipped: list[Skip]) -> str:

@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 from dflash_train.core import assets
 from dflash_train.core.config import DEFAULT_MAX_RECORD_BYTES, DataSection
 from dflash_train.core.errors import folder_problem
+from dflash_train.data import chat_files
 from dflash_train.data.chat_files import (
     UNFINISHED,
     DataError,
@@ -55,6 +56,8 @@ from dflash_train.data.chat_files import (
 DEFAULT_MAX_LENGTH = DataSection.max_length  # the config's data.max_length (the paper's)
 OVERLONG_CHOICES = ("truncate", "drop")
 PREPARE_CHUNK = 512  # records tokenized per call
+# The code the prepared samples depend on (the cache fingerprint): this module and the reader.
+PREPARED_BY = (Path(__file__), Path(chat_files.__file__))
 
 # Skip reasons are "<category>: <detail>"; these categories are sample-level drops (the record
 # itself was fine), every other category marks a bad record (what --strict refuses).
@@ -287,8 +290,8 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str,
                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> str:
     """What the prepared data depends on: the input files' content (size and SHA-256, in order;
     not their paths, so copies of a file in two places, two installs of a bundled package, share
-    one cache), the target's tokenizer files, the settings, this module's source and the
-    tokenizer libraries."""
+    one cache), the target's tokenizer files, the settings, the source of this module and of
+    chat_files (the records and their conversation keys) and the tokenizer libraries."""
     tokenizer_files = sorted(p for p in Path(target).iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
     if not tokenizer_files:
         raise DataError(f"{target}: no tokenizer files (tokenizer.json, tokenizer_config.json) found")
@@ -301,7 +304,7 @@ def fingerprint(files: list[Path], target: Path, max_length: int, overlong: str,
         "max_length": max_length,
         "overlong": overlong,
         "max_record_bytes": max_record_bytes,
-        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "code": hashlib.sha256(b"".join(path.read_bytes() for path in PREPARED_BY)).hexdigest(),
         "libraries": [version("transformers"), version("tokenizers")],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -391,7 +394,7 @@ def _to_dataset(samples: list[tuple]):
         "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values_mask, pa.uint8())),
         "length": pa.array(lengths.astype(np.int32)),
         # Which conversation a sample comes from (the validation split), where it was read, and
-        # whether its replies were sampled (batching.greedy_where_any: not walked beside greedy ones).
+        # whether its replies were sampled (batching.one_version_each: not walked beside greedy ones).
         "conversation": pa.array([key for _, _, key, _, _ in samples], pa.string()),
         "source": pa.array([source for _, _, _, source, _ in samples], pa.string()),
         "sampled": pa.array([sampled for *_, sampled in samples], pa.bool_()),

@@ -48,7 +48,7 @@ from dflash_train.core.target import (
     tensor_parallel_problems,
 )
 from dflash_train.data import chat_files, preparation
-from dflash_train.data.batching import BatchPlan, BatchStream, conversation_keys, greedy_where_any, validation_split
+from dflash_train.data.batching import BatchPlan, BatchStream, conversation_keys, one_version_each, validation_split
 from dflash_train.data.preparation import LOOP_REPEATS, without_loop_tails
 from dflash_train.train.checkpoint import (
     DRAFTER_CONFIG,
@@ -150,7 +150,7 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
             train_idx, val_idx = validation_split(keys, cfg.data.validation, cfg.data.validation_seed)
         except ValueError as err:
             raise ConfigError([str(err)]) from err
-        walked, sampled = greedy_where_any(dataset, val_idx, keys)
+        walked, versions = one_version_each(dataset, val_idx, keys)
         if len(walked):
             validation = dataset.select(walked)
         if len(val_idx):
@@ -158,8 +158,8 @@ def split_data(cfg: Config, dataset, log=print, limit: bool = True):
         measured = f"walked every {cfg.eval.every} steps" if cfg.eval.every else "not measured: eval.every is 0"
         log(f"data: {len({keys[i] for i in val_idx})} conversations ({len(walked)} samples) held out for "
             f"validation (data.validation={cfg.data.validation:g}; {measured}), {len(dataset)} samples for training"
-            + (f"; {sampled} samples of theirs with sampled replies beside greedy ones neither walked nor trained on"
-               if sampled else ""))
+            + (f"; {versions} samples of theirs from other versions of a held-out conversation (sampled replies, "
+               f"records of the same opening) neither walked nor trained on" if versions else ""))
     if limit and cfg.data.limit is not None and cfg.data.limit < len(dataset):
         dataset = dataset.select(range(cfg.data.limit))
     if cfg.objective.loop_tails == "skip":  # the training samples only: validation keeps every token
