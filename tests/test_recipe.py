@@ -546,8 +546,9 @@ def shape_folder(tmp_path, name: str, config: dict) -> str:
 
 def test_the_recipe_fits_its_batches_to_the_gpu_before_any_data_is_made(monkeypatch, tmp_path):
     """The recipe's batches were chosen for SmolLM2: for a target given alone whose worst-case
-    step (the memory planner's) does not fit the GPU, the token budget is lowered to the largest
-    that fits, samples with it, and grad_accum raised to keep a step's tokens, said in a line;
+    step (the memory planner's) does not fit the GPU, the token budget is lowered to at most the
+    largest that fits, samples with it where they must, and grad_accum raised to keep a step's
+    tokens, split evenly over its micro-batches, said in a line;
     SmolLM2's plan is unchanged on an 80 GB GPU; a target no batch fits is refused before
     anything is made or written."""
     from transformers import AutoConfig
@@ -563,7 +564,10 @@ def test_the_recipe_fits_its_batches_to_the_gpu_before_any_data_is_made(monkeypa
     smol_config = AutoConfig.from_pretrained(resolve_target_path(smol.target))
     assert recipe.fitted_to_gpu(smol, smol_config, 80.0, said.append) is smol and said == []
     on_40 = load_config(None, list(recipe.fitted_to_gpu(smol, smol_config, 40.0, said.append).train_args))
-    assert 8192 < on_40.data.token_budget < 16384 and on_40.train.grad_accum == 2 and len(said) == 1
+    # two micro-batches of half the recipe's tokens, not two of the largest that fits (a step 1.5
+    # times the recipe's)
+    assert on_40.data.token_budget == 8192 and on_40.train.grad_accum == 2 and len(said) == 1
+    assert on_40.data.max_length == 2048
 
     folder = shape_folder(tmp_path, "llama-8b", LLAMA_3_1_8B)
     config, big = target_config_of(folder), Recipe.own_data(folder, "cuda")

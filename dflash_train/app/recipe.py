@@ -297,8 +297,8 @@ def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Re
     """`plan` with its training batches fitted to one GPU of `gpu_memory_gib` for a target of
     `target_config`, before any data is made: unchanged where the memory planner's worst case
     (bench/memory.py) fits; else data.token_budget lowered to the largest that fits (data.max_length
-    with it where it must) and train.grad_accum raised to keep the tokens of a step, said in a
-    line; an InputError naming what would fit where nothing does. The recipe's batches were
+    with it where it must) and train.grad_accum raised to keep the tokens of a step, split evenly
+    over its micro-batches (even_micro_batches), said in a line; an InputError naming what would fit where nothing does. The recipe's batches were
     chosen for SmolLM2-135M; a larger target given alone would otherwise fail at its first step."""
     cfg = load_config(None, list(plan.train_args))
     planner, layout = Planner.of(target_config, cfg, gpu_memory_gib=gpu_memory_gib), Layout(gpus=1)
@@ -313,6 +313,7 @@ def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Re
                          f"{refusal(planner, memory)}; train with a config of your own (README 'Your target, your "
                          f"data') or on more GPUs")
     accum = cfg.train.grad_accum * math.ceil(cfg.data.token_budget / budget)
+    budget = even_micro_batches(cfg, budget, accum)
     args = replaced(plan.train_args, f"data.token_budget={budget}")
     if budget < cfg.data.max_length:
         args = replaced(args, f"data.max_length={budget}")
@@ -322,6 +323,16 @@ def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Re
         f"micro-batches of {budget:,} tokens{f' (samples up to {budget:,})' if budget < cfg.data.max_length else ''}, "
         f"{accum} to a step")
     return replace(plan, train_args=args)
+
+
+def even_micro_batches(cfg, largest: int, accum: int) -> int:
+    """The micro-batch token budget for `accum` micro-batches to a step of the recipe's
+    `cfg.data.token_budget` tokens, at most `largest` (what fits): the step's tokens split evenly
+    (a multiple of PAD_MULTIPLE), so the step keeps the recipe's size instead of `accum` times the
+    largest (Qwen2.5-0.5B on 80 GB: 2 x 12,480 = 24,960 tokens, 52% above the recipe's 16,384), but
+    never below the longest sample that fits (`data.max_length`), so samples are not cut for it."""
+    even = PAD_MULTIPLE * math.ceil(math.ceil(cfg.data.token_budget / accum) / PAD_MULTIPLE)
+    return min(largest, max(even, min(cfg.data.max_length, largest)))
 
 
 def regen_rows(plan: Recipe, free_bytes: int, config) -> int:
