@@ -182,6 +182,24 @@ def test_a_regeneration_output_and_a_cache_folder_have_one_owner(tmp_path, capsy
     assert done.is_set() and len(said) == 1
 
 
+def test_a_regeneration_into_its_own_input_is_refused(tmp_path, capsys):
+    """`data regenerate` whose --out is its input file (resuming would take the input for its
+    finished regeneration: nothing regenerated, rc 0) or a data file inside an input folder (a
+    rerun would read the answers as input) is refused in one line, and nothing is written."""
+    chats = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    before = chats.read_bytes()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", CHATS)
+    for data, out, said in ((chats, tmp_path / "." / "chats.jsonl", "is the input file itself"),
+                            (folder, folder / "sub" / "regen.jsonl", f"lies in the input folder {folder}")):
+        argv = ["data", "regenerate", "--data", str(data), "--target", TARGET, "--out", str(out)]
+        assert cli.main(argv) == BAD_INPUT
+        assert said in capsys.readouterr().err
+    assert chats.read_bytes() == before and sorted(p.name for p in folder.iterdir()) == ["a.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "folder"]
+
+
 def test_a_target_prompts_output_has_one_owner(tmp_path, capsys):
     """`data source --source target-prompts` into an output another process is writing is
     refused before anything loads, naming that process, and writes nothing."""

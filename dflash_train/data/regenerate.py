@@ -51,6 +51,7 @@ from dflash_train.core.errors import output_file_problem, problems_of
 from dflash_train.core.signals import StopFlag
 from dflash_train.core.target import resolve_target_path
 from dflash_train.data.chat_files import (
+    DATA_SUFFIXES,
     FORMATS,
     SAMPLED_REPLIES,
     UNFINISHED,
@@ -568,7 +569,25 @@ def _progress(log, finished: int, total: int, resumed: int, stats: dict, tokens:
         f"{tokens} tokens, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, {elapsed:.0f} s, ETA {eta}{host}")
 
 
-def _problems(target, out, options: RegenerationOptions, serving: ServingOptions | None, model) -> list[str]:
+def input_output_overlap(paths, out) -> str | None:
+    """What is wrong when `out` is one of the input files (`paths`: files or folders), or a data
+    file inside an input folder: resuming matches records by their first user turn, so the input
+    itself would pass as its finished regeneration (nothing regenerated, said as done), and a
+    rerun would read the answers as input; None when they are apart."""
+    resolved = Path(out).resolve()
+    for raw in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        path = Path(raw).resolve()
+        if resolved == path:
+            return (f"--out {out} is the input file itself; regeneration writes the target's answers to a new "
+                    f"file: choose another --out")
+        if path.is_dir() and resolved.is_relative_to(path) and resolved.suffix in DATA_SUFFIXES:
+            return (f"--out {out} lies in the input folder {raw}, so a rerun would read its answers as input: "
+                    f"choose an --out outside it")
+    return None
+
+
+def _problems(paths, target, out, options: RegenerationOptions, serving: ServingOptions | None,
+              model) -> list[str]:
     """What is wrong with a regeneration's settings, in words, in the order the error lists them."""
     o = options
     problems = [f"{name}={value} (need >= 1)" for name, value in
@@ -586,6 +605,9 @@ def _problems(target, out, options: RegenerationOptions, serving: ServingOptions
     problem = output_file_problem(out)
     if problem is not None:
         problems.append(f"--out {out}: {problem}")
+    overlap = input_output_overlap(paths, out)
+    if overlap is not None:
+        problems.append(overlap)
     if model is None:
         problems += problems_of(lambda: resolve_target_path(str(target), "--target"))
     if serving is None:
@@ -764,7 +786,7 @@ def regenerate(paths, target, out, options: RegenerationOptions = RegenerationOp
     tokenizer is loaded. `model` and `tokenizer`, when given, are used instead of loading them
     from `target`. Returns a summary with the skipped records and the measured rate."""
     serving = serving if serving is not None and serving.urls else None
-    problems = _problems(target, out, options, serving, model)
+    problems = _problems(paths, target, out, options, serving, model)
     if problems:
         raise DataError("invalid regenerate settings: " + "; ".join(problems))
     out = Path(out)
