@@ -298,8 +298,9 @@ def fitted_to_gpu(plan: Recipe, target_config, gpu_memory_gib: float, log) -> Re
     `target_config`, before any data is made: unchanged where the memory planner's worst case
     (bench/memory.py) fits; else data.token_budget lowered to the largest that fits (data.max_length
     with it where it must) and train.grad_accum raised to keep the tokens of a step, split evenly
-    over its micro-batches (even_micro_batches), said in a line; an InputError naming what would fit where nothing does. The recipe's batches were
-    chosen for SmolLM2-135M; a larger target given alone would otherwise fail at its first step."""
+    over its micro-batches (even_micro_batches), said in a line; an InputError naming what would
+    fit where nothing does. The recipe's batches were chosen for SmolLM2-135M; a larger target
+    given alone would otherwise fail at its first step."""
     cfg = load_config(None, list(plan.train_args))
     planner, layout = Planner.of(target_config, cfg, gpu_memory_gib=gpu_memory_gib), Layout(gpus=1)
     memory = planner.plan(layout)
