@@ -355,6 +355,25 @@ def test_prepare_cache_reuse_and_invalidation(tmp_path, smollm2_path, monkeypatc
     assert not third.cached and third.report["num_samples"] == 1
 
 
+def test_prepare_says_when_a_file_is_an_unfinished_regeneration(tmp_path, smollm2_path):
+    """A data file with the mark `data regenerate` keeps beside an output it has not finished
+    (a regeneration still running, or stopped) is prepared as it is, and a line says so, on a
+    cached prepare too; a finished one (no mark) gets no line."""
+    src = write_jsonl(tmp_path / "regen.jsonl", [SHAREGPT, OPENAI])
+    said: list[str] = []
+    preparation.prepare([src], smollm2_path, tmp_path / "out", log=said.append)
+    assert not any("unfinished" in line for line in said)
+    chat_files.partial_path(src).write_text("")
+    for _ in range(2):  # prepared, then cached
+        said.clear()
+        prepared = preparation.prepare([src], smollm2_path, tmp_path / "out", log=said.append)
+        assert len(prepared.dataset) == 2
+        assert [line for line in said if "unfinished" in line] == [
+            f"data prepare: {src} is an unfinished regeneration (regen.jsonl.partial beside it: a `data "
+            f"regenerate` still writing it, or stopped before its end); the records it holds are used, and "
+            f"rerunning that regeneration finishes it"]
+
+
 def test_prepare_overlong_truncate_and_drop(tmp_path, smollm2_path):
     long = {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]}
     src = write_jsonl(tmp_path / "in.jsonl", [long, SHAREGPT])

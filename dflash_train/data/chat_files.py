@@ -6,8 +6,9 @@ role/content), their validation and normalisation to system / user / assistant m
 is reported with its file, line and reason (`Skip`) instead of stopping the run. Files are read
 forward in chunks, so memory goes by the record, not the file: a record longer than
 data.max_record_bytes is skipped, with its line, before it is decoded. Also the conversation key
-of the validation split. preparation.py turns records into training samples;
-regenerate.py writes them back with the target's answers.
+of the validation split, and the mark of an unfinished regeneration (`partial_path`).
+preparation.py turns records into training samples; regenerate.py writes them back with the
+target's answers.
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ class Record:
 
 # ---------------------------------------------------------------------------------------------
 # Reading
+
+
+def partial_path(out: Path) -> Path:
+    """The mark beside a `data regenerate` output that the regeneration writes before its first
+    line and removes once the output holds every record: only an output carrying it is one this
+    project is writing, the only kind whose partial last line (a run killed mid-write) is cut off
+    on resume; and a data file carrying it is an unfinished regeneration (preparation says so)."""
+    return out.with_name(out.name + ".partial")
 
 
 def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:

@@ -50,6 +50,7 @@ from dflash_train.data.chat_files import (
     iter_records,
     nothing_usable,
     parse_record,
+    partial_path,
     strict_error,
 )
 
@@ -497,6 +498,7 @@ def prepare(
     if not target.is_dir():
         raise DataError(f"--target {target}: not a folder; give a Hugging Face model or tokenizer folder")
     files = data_files(paths)
+    say_unfinished(files, log)
     key = fingerprint(files, target, max_length, overlong, max_record_bytes)
     cached = _up_to_date(out, key, strict, log, files)
     if cached is not None:
@@ -540,6 +542,17 @@ def prepare(
         f"({report['num_supervised_tokens']} supervised) in {report['prepare_seconds']} s -> {out}"
     )
     return Prepared(datasets.load_from_disk(str(out)), report, out, cached=False)
+
+
+def say_unfinished(files: list[Path], log) -> None:
+    """A line for each of `files` that is an unfinished regeneration (its `partial_path` mark
+    beside it): prepared as it is, with the records it holds, which a user who started training
+    before the regeneration ended (or after it was stopped) may not mean."""
+    for path in files:
+        if partial_path(path).is_file():
+            log(f"data prepare: {path} is an unfinished regeneration ({partial_path(path).name} beside it: a "
+                f"`data regenerate` still writing it, or stopped before its end); the records it holds are "
+                f"used, and rerunning that regeneration finishes it")
 
 
 def default_dataset(target: str | os.PathLike | None = None, max_length: int = DEFAULT_MAX_LENGTH,

@@ -60,6 +60,7 @@ from dflash_train.data.chat_files import (
     Skip,
     iter_records,
     nothing_usable,
+    partial_path,
 )
 from dflash_train.data.preparation import loop_period, render
 from dflash_train.data.responders import Decoding, Responder, ServerResponder, load_responder
@@ -151,13 +152,6 @@ def _output_first_user(line: bytes, record: Record) -> str | None:
         return next(t[content_key] for t in turns if t[role_key] == OUTPUT_ROLES[record.format]["user"])
     except (ValueError, KeyError, TypeError, StopIteration):
         return None
-
-
-def partial_path(out: Path) -> Path:
-    """The mark beside `out` that a regeneration writes before its first line and removes once
-    the output holds every record: only an output carrying it is one this project is writing,
-    the only kind whose partial last line (a run killed mid-write) is cut off on resume."""
-    return out.with_name(out.name + ".partial")
 
 
 def resume_point(out: Path, records: list[Record]) -> tuple[int, int | None]:
