@@ -240,10 +240,10 @@ def one_version_each(dataset, indices: np.ndarray, keys: Sequence[str]) -> tuple
     greedy one."""
     if not len(indices):
         return indices, 0
-    columns = dataset.column_names
-    sampled = (np.asarray(dataset.select(indices)["sampled"], dtype=bool) if "sampled" in columns
+    held = dataset.select(indices)
+    sampled = (np.asarray(held["sampled"], dtype=bool) if "sampled" in held.column_names
                else np.zeros(len(indices), dtype=bool))
-    records = list(dataset.select(indices)["source"]) if "source" in columns else [None] * len(indices)
+    records = list(held["source"]) if "source" in held.column_names else [None] * len(indices)
     chosen: dict[str, tuple[bool, Any]] = {}  # key -> (sampled, record): greedy before sampled, then data order
     for i, is_sampled, record in zip(indices, sampled, records):
         key = keys[i]

@@ -569,7 +569,7 @@ def input_output_overlap(paths, out) -> str | None:
     itself would pass as its finished regeneration (nothing regenerated, said as done), and a
     rerun would read the answers as input; None when they are apart."""
     resolved = Path(out).resolve()
-    for raw in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+    for raw in paths:
         path = Path(raw).resolve()
         if resolved == path:
             return (f"--out {out} is the input file itself; regeneration writes the target's answers to a new "
