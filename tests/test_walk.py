@@ -337,6 +337,41 @@ def test_training_logs_walked_tau_first_and_keeps_the_best_checkpoint(tmp_path, 
     assert all(torch.equal(served[k], saved[k]) for k in served)
 
 
+def test_walked_tau_is_told_per_data_file():
+    """Each data file's walked tau is the turn mean over that file's turns (a one-token turn has
+    no cycle and is left out); one file alone, or samples naming none, tell nothing more."""
+    assert walk.file_labels(["/d/chats.jsonl:3", "/d/code.jsonl:1", "/e/code.jsonl:9", "/d/chats.jsonl:7"]) == \
+        ["chats.jsonl", "/d/code.jsonl", "/e/code.jsonl", "chats.jsonl"]
+    result = walk.WalkResult(16, files=["chats.jsonl", "code.jsonl", "chats.jsonl", "code.jsonl"])
+    result.turns = {0: [[3, 1]], 1: [[8, 8, 2]], 2: [[5], []], 3: [[16]]}
+    by_file = result.by_file()
+    assert list(by_file) == ["chats.jsonl", "code.jsonl"]
+    assert by_file["chats.jsonl"] == {"tau": pytest.approx((2 + 5) / 2), "samples": 2, "turns": 2}
+    assert by_file["code.jsonl"] == {"tau": pytest.approx((6 + 16) / 2), "samples": 2, "turns": 2}
+    assert result.tau == pytest.approx((2 + 6 + 5 + 16) / 4)
+    assert walk.WalkResult(16, files=["a.jsonl"] * 2, turns={0: [[2]], 1: [[3]]}).by_file() == {}
+    assert walk.WalkResult(16, turns={0: [[2]]}).by_file() == {}
+
+
+def test_training_walks_each_data_file_of_the_split(tmp_path, regenerated, capsys):
+    """A split drawn from two files: every evaluation step records and says the walked tau of
+    each, their samples are the walked ones, and their turn-weighted mean is the walked tau."""
+    model, prompts, dataset, drafted = regenerated
+    named = dataset.add_column("source", [f"{tmp_path}/{'chats' if i % 2 else 'code'}.jsonl:{i + 1}"
+                                          for i in range(len(dataset))])
+    run = _validated_run(tmp_path, (model, prompts, named, drafted), "data.validation=0.5", steps=4)
+    train_drafter(run)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    out = capsys.readouterr().out
+    for r in records:
+        by_file = r["walked_by_file"]
+        assert set(by_file) == {"chats.jsonl", "code.jsonl"}
+        assert sum(w["samples"] for w in by_file.values()) == len(run.validation)
+        weighted = sum(w["tau"] * w["turns"] for w in by_file.values()) / sum(w["turns"] for w in by_file.values())
+        assert weighted == pytest.approx(r["walked_tau"])
+        assert f"step {r['step']}: walked tau by data file: " in out
+
+
 def _script_walks(monkeypatch, taus):
     """The run's validation walks return these walked taus, one per evaluation, in order."""
     from dflash_train.eval import during_training

@@ -202,6 +202,7 @@ class WalkResult:
     the turns' replies (their supervised token ids)."""
 
     block_size: int
+    files: list[str] | None = None  # each sample's data file (file_labels), where the samples name theirs
     turns: dict[int, list[list[int]]] = field(default_factory=dict)
     replies: dict[int, list[list[int]]] = field(default_factory=dict)
     loss_sum: float = 0.0
@@ -247,16 +248,33 @@ class WalkResult:
     def acc_per_position(self) -> list[float | None]:
         return [c / n if n else None for c, n in zip(self.correct_K.tolist(), self.count_K.tolist())]
 
+    def by_file(self) -> dict[str, dict]:
+        """Per data file, in the order the files first come: its walked tau (the same turn mean
+        as `tau`, over that file's turns) and how many samples and walked turns it holds; empty
+        when the samples name no file or all come from one."""
+        if self.files is None or len(set(self.files)) < 2:
+            return {}
+        turns: dict[str, list[list[int]]] = {}
+        samples: dict[str, int] = {}
+        for i in sorted(self.turns):
+            name = self.files[i]
+            turns.setdefault(name, []).extend(self.turns[i])
+            samples[name] = samples.get(name, 0) + 1
+        return {name: {"tau": turn_mean_tau(t), "samples": samples[name], "turns": sum(1 for x in t if x)}
+                for name, t in turns.items()}
+
     def record(self) -> dict:
         """The fields a training log step adds (metrics.jsonl), walked tau first."""
         lengths = self.lengths()
         loops = loop_fields(self.all_turns(), self.all_replies())
+        by_file = self.by_file()
         return {
             "walked_tau": self.tau,
             "walked_tau_cycles": mean_acceptance(lengths),
             "walked_histogram": acceptance_histogram(lengths, self.block_size),
             "walked_turns": sum(1 for t in self.all_turns() if t),
             **{f"walked_{k}": v for k, v in loops.items()},
+            **({"walked_by_file": by_file} if by_file else {}),
             "val_loss": self.loss,
             "val_acc_per_position": self.acc_per_position(),
             "walk_s": round(self.seconds, 3),
@@ -284,11 +302,12 @@ class Walker:
         self.forward = forward
         self.pad_to = pad_to
         self.no_noise = FeatureNoise("none", 0.0, 0, device)
+        self.files = file_labels(dataset["source"]) if "source" in dataset.column_names else None
 
     def __call__(self, drafter) -> WalkResult:
         started = time.perf_counter()
         drafter = getattr(drafter, "module", drafter)  # DDP
-        result = WalkResult(int(drafter.block_size))
+        result = WalkResult(int(drafter.block_size), files=self.files)
         was_training = drafter.training
         drafter.eval()
         try:
@@ -304,6 +323,16 @@ class Walker:
             torch.cuda.synchronize(self.device)
         result.seconds = time.perf_counter() - started
         return result
+
+
+def file_labels(sources: list[str]) -> list[str]:
+    """Each sample's data file, from prepare's `source` column ("file:line"): the file's name, or
+    its whole path where two files of the data share a name."""
+    paths = [str(source).rpartition(":")[0] for source in sources]
+    names: dict[str, set[str]] = {}
+    for path in dict.fromkeys(paths):
+        names.setdefault(Path(path).name, set()).add(path)
+    return [Path(path).name if len(names[Path(path).name]) == 1 else path for path in paths]
 
 
 # --------------------------------------------------------------------------- eval --walk

@@ -232,6 +232,13 @@ def console_line(record: dict, total_steps: int, eta_s: float | None) -> str:
     return " | ".join(parts)
 
 
+def walked_by_file_line(record: dict) -> str:
+    """The walked tau of each data file the validation split holds (an evaluation step's second
+    line, when there are several): which kind of text a drafter serves well or badly."""
+    parts = [f"{name} {w['tau']:.2f} ({w['samples']} samples)" for name, w in record["walked_by_file"].items()]
+    return f"step {record['step']}: walked tau by data file: " + ", ".join(parts)
+
+
 # Batch statistics: W&B groups them under batch/.
 BATCH_FIELDS = ("avg_seq_len", "avg_max_seq_len", "avg_batch_size", "padding_efficiency")
 # Per-prompt detail that goes to W&B as a table, not as scalars.
@@ -402,11 +409,16 @@ class MetricsSink:
                              ("tau/3_estimate", "tau_estimate")):
                 if isinstance(record.get(key), (int, float)) and math.isfinite(record[key]):
                     self.tb.add_scalar(tag, record[key], step)
+            for name, walked in record.get("walked_by_file", {}).items():
+                if math.isfinite(walked["tau"]):
+                    self.tb.add_scalar(f"walked_by_file/{name}", walked["tau"], step)
         if self.wandb is not None:
             self.wandb.log(record)
         if self.bar is not None:
             self._describe(record)
         self.event(console_line(record, self.total_steps, self.eta_s(step)))
+        if record.get("walked_by_file"):
+            self.event(walked_by_file_line(record))
 
     def event(self, text: str) -> None:
         if self.bar is not None:
