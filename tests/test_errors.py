@@ -216,6 +216,9 @@ ROWS = [
     ("source-unwritable-out", plain("data", "source", "--source", "word-problems", "--limit", "3", "--out",
                                     "/proc/nope/wp.jsonl"), BAD_INPUT, "--out /proc/nope/wp.jsonl: cannot write in /proc",
      True),
+    ("source-into-a-users-chat-file", plain("data", "source", "--source", "word-problems", "--limit", "3", "--out",
+                                            "{w.root}/mine.jsonl"), BAD_INPUT,
+     "its line 1 holds another record than `data source --source word-problems --seed 0` writes there", True),
     # eval
     ("eval-limit-0", evaluate("--limit", "0"), BAD_INPUT, "--limit must be >= 1", True),
     ("eval-drafter-is-the-target", evaluate(drafter="{w.target}"), BAD_INPUT, "not a DFlash drafter folder", True),

@@ -4,6 +4,7 @@ what their prompts and replies hold, word problems whose worked solutions are ri
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import textwrap
@@ -161,6 +162,31 @@ def test_data_source_writes_what_regeneration_takes(tmp_path):
     question, solution, _ = sources.word_problem(2, 0)
     assert first["conversations"] == [{"from": "human", "value": question}, {"from": "gpt", "value": solution}]
     assert all(isinstance(r, chat_files.Record) for r in chat_files.iter_records([out]))
+
+
+def test_data_source_replaces_only_its_own_earlier_output(tmp_path, capsys):
+    """A rerun (another --limit) replaces the source's own output; a file of other records (chats,
+    the same prompts regenerated: other replies, another seed) is refused and kept as it was,
+    unless --force; target-prompts, which resumes, takes no --force."""
+    out = tmp_path / "wp.jsonl"
+    run = lambda *extra: cli.main(["data", "source", "--source", "word-problems", "--out", str(out), *extra])  # noqa: E731
+    assert run("--limit", "4") == 0 and run("--limit", "6") == 0 and run("--limit", "3") == 0
+    assert out.read_text() == "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                       for r in itertools.islice(sources.word_problem_records(0), 3))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records[2]["conversations"][1]["value"] = "the target's own reply"  # a regeneration of the same prompts
+    regenerated = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    out.write_text(regenerated)
+    capsys.readouterr()
+    for extra, line in ((("--limit", "5"), 3), (("--limit", "3", "--seed", "1"), 1)):
+        assert run(*extra) == 2
+        assert f"its line {line} holds another record than" in capsys.readouterr().err
+        assert out.read_text() == regenerated
+    assert run("--limit", "3", "--force") == 0 and out.read_text() != regenerated
+    assert cli.main(["data", "source", "--source", "target-prompts", "--target", "bundled:tiny-random-llama",
+                     "--limit", "2", "--out", str(tmp_path / "own.jsonl"), "--force"]) == 2
+    assert "--force: --source target-prompts resumes its own output" in capsys.readouterr().err
+    assert not (tmp_path / "own.jsonl").exists()
 
 
 def test_regeneration_answers_source_records(tmp_path, library):

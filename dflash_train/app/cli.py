@@ -139,6 +139,9 @@ def add_source_command(data_commands) -> None:
     source.add_argument("--packages", default=None, metavar="NAMES",
                         help="python-packages: the packages to read, import names separated by commas (default: "
                         f"those of {','.join(sources.PACKAGES)} that are installed)")
+    source.add_argument("--force", action="store_true",
+                        help="replace an --out that holds other records (without it, only an earlier output of "
+                        "the same --source and --seed is replaced, and the command refuses other files)")
     add_target_prompt_arguments(source)
     source.set_defaults(func=commands.run_source)
 

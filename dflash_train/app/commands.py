@@ -146,7 +146,7 @@ def run_source(args) -> int:
     if given:
         raise InputError(f"{', '.join(given)}: options of --source {target_prompts.SOURCE}, not of {args.source}")
     packages = None if args.packages is None else [p.strip() for p in args.packages.split(",") if p.strip()]
-    count = write_source(args.source, args.out, args.limit, args.seed, packages)
+    count = write_source(args.source, args.out, args.limit, args.seed, packages, replace=args.force)
     print(f"data source {args.source}: {count} records -> {args.out} (regenerate them with the target: "
           f"dflash-train data regenerate --data {args.out} --target ...)")
     return 0
@@ -167,6 +167,9 @@ def run_target_prompts(args) -> int:
         problems.append("--limit: the target writes without end: give --limit N")
     if args.packages is not None:
         problems.append(f"--packages is an option of --source python-packages, not of {target_prompts.SOURCE}")
+    if args.force:
+        problems.append(f"--force: --source {target_prompts.SOURCE} resumes its own output and never replaces a "
+                        "file; choose another --out to start anew")
     if problems:
         raise InputError("; ".join(problems))
     settings = {field: getattr(args, flag) for flag, field in TARGET_PROMPT_FLAGS.items()

@@ -618,7 +618,7 @@ def write_prompts_aside(name: str, path: str, count: int) -> None:
     """A prompt writer's process: the source's prompts written (atomically), else exit status 1
     and nothing written (its stage then writes them itself, and says what failed)."""
     try:
-        sources.write_source(name, path, limit=count)
+        sources.write_source(name, path, limit=count, replace=True)
     except Exception:  # said by the stage that writes them again in the run's process
         sys.exit(1)
 
@@ -708,7 +708,7 @@ def _regenerate_source(plan: Recipe, name: str, count: int, rows: int, deadline:
     if writer is not None and writer.exitcode == 0:
         total = _lines(prompts)
     else:
-        total = sources.write_source(name, prompts, limit=count)
+        total = sources.write_source(name, prompts, limit=count, replace=True)
     answered = plan.source_answers(name, count, prompts)
     if _regenerate_up_to(plan, prompts, answered, total, rows, f"{name} records", deadline, log):
         return None

@@ -425,10 +425,12 @@ def _record(record_id: str, source: str, prompt: str, reply: str) -> dict:
 
 
 def write_source(name: str, out: str | Path, limit: int | None = None, seed: int = 0,
-                 packages: list[str] | None = None) -> int:
+                 packages: list[str] | None = None, replace: bool = False) -> int:
     """Write the first `limit` records (all: None; word-problems has no end, so it needs one)
     of source `name` to the JSONL file `out` (atomically); `packages`: python-packages' list
-    (None: installed_packages()). Returns the count."""
+    (None: installed_packages()). An existing `out` is replaced only when it is an earlier output
+    of the same source and seed (other_records_problem) or `replace` says so; else InputError and
+    nothing is written. Returns the count."""
     problems = []
     if name not in SOURCES:
         problems.append(f"--source {name!r} is not a prompt source; choose one of {', '.join(SOURCES)}")
@@ -447,5 +449,23 @@ def write_source(name: str, out: str | Path, limit: int | None = None, seed: int
         raise InputError("; ".join(problems))
     records = python_package_records(seed, packages) if name == "python-packages" else SOURCES[name](seed)
     lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in itertools.islice(records, limit)]
+    problem = None if replace else other_records_problem(Path(out), lines)
+    if problem:
+        raise InputError(f"--out {out} exists, and its {problem} than `data source --source {name} --seed {seed}` "
+                         f"writes there (chats of yours? a regeneration?): writing would replace the file; choose "
+                         f"another --out, or pass --force to replace it")
     atomic_write_lines(Path(out), lines)
     return len(lines)
+
+
+def other_records_problem(out: Path, lines: list[str]) -> str | None:
+    """Where writing `lines` to `out` would lose records: `out` exists and holds other lines than
+    an earlier output of the same source and seed (the same lines, more or fewer of them: a rerun,
+    another --limit). None when it does not exist, is empty or is such an output."""
+    if not out.is_file():
+        return None
+    with open(out, encoding="utf-8", errors="replace") as f:
+        for number, (old, new) in enumerate(zip(f, lines), 1):
+            if old.rstrip("\n") != new.rstrip("\n"):
+                return f"line {number} holds another record"
+    return None
