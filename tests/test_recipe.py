@@ -187,7 +187,7 @@ def test_sampled_replies_follow_the_greedy_data_seed_by_seed_within_the_budget(t
 
     monkeypatch.setattr(recipe.regenerate, "regenerate", fake_regenerate)
     monkeypatch.setattr(recipe.sources, "write_source",
-                        lambda name, path, limit: Path(path).write_text("{}\n" * limit) and limit)
+                        lambda name, path, limit, replace: Path(path).write_text("{}\n" * limit) and limit)
     said: list[str] = []
     files = recipe.make_data(plan, 8, None, said.append)
     chats, problems = plan.regenerated_path(), plan.source_answers("word-problems", 3,
@@ -271,7 +271,7 @@ def test_a_stage_gets_all_the_rows_once_the_own_conversations_process_has_ended(
         return False
 
     monkeypatch.setattr(recipe, "_regenerate_up_to", regenerate_up_to)
-    monkeypatch.setattr(recipe.sources, "write_source", lambda name, path, limit: path.write_text("{}\n") or 1)
+    monkeypatch.setattr(recipe.sources, "write_source", lambda name, path, limit, replace: path.write_text("{}\n") or 1)
     said = []
     recipe._make_data(plan, 512, None, said.append, {}, Own())
     assert asked == [("conversations", 256), ("word-problems records", 256), ("python-functions records", 512)]
