@@ -150,6 +150,42 @@ def test_a_second_training_on_the_same_folder_is_refused_naming_the_holder(tmp_p
     assert (out / "drafter" / "config.json").is_file()
 
 
+def test_a_folder_no_run_used_keeps_the_users_files_that_share_a_runs_names(tmp_path, capsys):
+    """`output_dir` a folder of the user's holding a config.yaml and a validation.jsonl of their
+    own (`output_dir=.` in a project folder): refused in one line naming them, nothing written;
+    a new or empty folder, and a run's own folder (trained further), are taken."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my settings\n")
+    (out / "validation.jsonl").write_text(json.dumps(CHATS[0]) + "\n")
+    (out / "notes.txt").write_text("kept\n")
+    before = files_of(out)
+    argv = ["train", "--config", str(TINY), "--output-dir", str(out), "data.limit=16", "train.max_steps=2",
+            "checkpoint.every=2"]
+    assert cli.main(argv) == BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"output_dir {out} holds config.yaml, validation.jsonl, which a run writes, and no run has used it" in err
+    assert files_of(out) == before
+    (out / "config.yaml").unlink()
+    (out / "validation.jsonl").unlink()
+    assert cli.main(argv) == 0  # only files a run does not write: taken
+    argv[argv.index("train.max_steps=2")] = "train.max_steps=4"
+    assert cli.main(argv) == 0 and (out / "notes.txt").read_text() == "kept\n"  # its own run folder: trained further
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_run_folder_inside_its_data_folder_is_refused(tmp_path, capsys):
+    """data.paths a folder and output_dir inside it: the run's JSONL files (its held-out
+    conversations) would be read as data by the next run; refused in one line, nothing made."""
+    data = tmp_path / "chats"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    assert cli.main(["train", "--config", str(TINY), "--output-dir", str(data / "run"), f"data.paths=[{data}]",
+                     "train.max_steps=2"]) == BAD_INPUT
+    assert f"output_dir {data / 'run'} is inside data.paths folder {data}" in capsys.readouterr().err
+    assert sorted(p.name for p in data.iterdir()) == ["a.jsonl"]
+
+
 def test_a_regeneration_output_and_a_cache_folder_have_one_owner(tmp_path, capsys):
     """A regeneration whose output another process is writing is refused naming it; a cache
     folder being built by another process is waited for (said once, with who builds it), and

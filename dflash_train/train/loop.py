@@ -96,6 +96,15 @@ def check_inputs(cfg: Config) -> None:
         problem = folder_problem(folder) if folder else None
         if problem:
             problems.append(f"{name} {folder}: {problem}: choose a folder you can write in")
+    for folder in data_folders_holding(cfg.data.paths, Path(cfg.output_dir)):
+        problems.append(f"output_dir {cfg.output_dir} is inside data.paths folder {folder}: the run's files there "
+                        f"(validation.jsonl: its held-out conversations; metrics.jsonl) would be read as data by the "
+                        f"next run; choose an output_dir outside it")
+    replaced = outputs_no_run_wrote(Path(cfg.output_dir), with_data_cache=not cfg.data.cache_dir)
+    if replaced:
+        problems.append(f"output_dir {cfg.output_dir} holds {', '.join(replaced)}, which a run writes, and no run "
+                        f"has used it (no {RUN_LOCK}): a run there would replace them; choose a new or empty "
+                        f"output_dir")
     paths = cfg.data.paths
     if BUNDLED_DATA in paths and len(paths) > 1:
         problems.append(f"data.paths: '{BUNDLED_DATA}' cannot be mixed with files")
@@ -748,7 +757,28 @@ def warm_up(run: Run) -> None:
     run.log(f"warmed up {len(run.plan.shapes)} target shapes in {time.perf_counter() - started:.1f} s{captured}")
 
 
-RUN_LOCK = ".dflash-train.lock"  # in the run folder: held by the run's first process
+RUN_LOCK = ".dflash-train.lock"  # in the run folder: held by the run's first process, left there after it
+# What a run writes in its folder (data: the prepared cache, unless data.cache_dir puts it elsewhere).
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", VALIDATION_FILE, "eval.json", "checkpoints",
+               "drafter", "plots", "tensorboard", "wandb", "wandb_id")
+
+
+def data_folders_holding(paths: list[str], out: Path) -> list[str]:
+    """The folders of `paths` (data.paths) that `out` is, or lies inside: every chat file under
+    them is read as data, so the run's own JSONL files written there would be too."""
+    where = out.expanduser().resolve()
+    return [path for path in paths if path != BUNDLED_DATA and Path(path).expanduser().is_dir()
+            and where.is_relative_to(Path(path).expanduser().resolve())]
+
+
+def outputs_no_run_wrote(out: Path, with_data_cache: bool) -> list[str]:
+    """The entries of folder `out` that a run would write over where no run has held it (no
+    RUN_LOCK): a folder of the user's (`output_dir=.`) whose config.yaml or validation.jsonl,
+    say, are theirs. Empty when `out` is new, or a run's folder (resumed or trained further)."""
+    if not out.is_dir() or (out / RUN_LOCK).exists():
+        return []
+    names = RUN_OUTPUTS + (("data",) if with_data_cache else ())
+    return [name for name in names if (out / name).exists()]
 
 
 def train(cfg: Config, log=print, evaluation: Evaluation | None = None) -> Path | None:
