@@ -538,3 +538,20 @@ def test_check_lossless_script_compares_three_decoders_and_exports_its_drafter(t
     assert {t["set"] for t in result["turns"]} == {"mt-bench", "humaneval", "gsm8k"}
     assert all(t["speculative_vs_target_only"] is None and t["tokens"] >= 1 for t in result["turns"])
     assert load_drafter(out / "random-drafter", "random-drafter").config.dflash_config["block_size"] == 16
+
+
+def test_an_eval_writes_over_its_own_results_only(tmp_path):
+    """An earlier result and its .md and .png are replaced; a file that is not a result (prompts,
+    data, a JSON of something else), or a .md or .png beside an --output that no eval wrote, is
+    named and kept."""
+    out = tmp_path / "eval.json"
+    assert results.outputs_problem(out) is None
+    out.write_text(json.dumps({"tau": 3.2, "per_set": {}, "histogram": [1]}) + "\n")
+    out.with_suffix(".md").write_text("| set | tau |\n")
+    assert results.outputs_problem(out) is None
+    out.write_text(json.dumps({"turns": ["a prompt"]}) + "\n")
+    assert results.outputs_problem(out) == f"{out} exists and is not an eval result; writing would replace it"
+    notes = tmp_path / "run.json"
+    notes.with_suffix(".md").write_text("my notes\n")
+    assert results.outputs_problem(notes) == (f"{notes.with_suffix('.md')} exists beside it and no eval wrote it "
+                                              f"(there is no run.json); writing would replace it")

@@ -50,7 +50,7 @@ from dflash_train.data.serving import ServerError, ServingOptions
 from dflash_train.data.sources import write_source
 from dflash_train.eval.during_training import DuringTraining
 from dflash_train.eval.evaluate import Decoding, Placement, Timing, evaluate
-from dflash_train.eval.results import markdown_summary, write_outputs
+from dflash_train.eval.results import markdown_summary, outputs_problem, write_outputs
 from dflash_train.eval.walk import evaluate_walk
 from dflash_train.train.checkpoint import drafter_from_checkpoint
 from dflash_train.train.loop import train
@@ -226,6 +226,9 @@ def run_eval(args) -> int:
     problem = output_file_problem(args.output)
     if problem is not None:  # before the decoding, not after it
         raise InputError(f"--output {args.output}: {problem}")
+    problem = outputs_problem(args.output)
+    if problem is not None:
+        raise InputError(f"--output {args.output}: {problem}; choose another --output")
     if args.walk:
 
         quiet_progress_bars()

@@ -274,6 +274,38 @@ def plot_histogram(histogram: list[int], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# An earlier result larger than this is not read to be recognised (a result holds every turn's
+# acceptance lengths and ids: about 10 KB a prompt).
+RESULT_READ_BYTES = 256 * 2**20
+
+
+def is_result(path: Path) -> bool:
+    """Whether `path` holds a result `write_outputs` wrote (a JSON object with tau and per_set)."""
+    try:
+        if path.stat().st_size > RESULT_READ_BYTES:
+            return False
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "tau" in doc and "per_set" in doc
+
+
+def outputs_problem(output: str | Path) -> str | None:
+    """What `write_outputs` would write over that no evaluation wrote: OUTPUT, where it exists and
+    is not a result (a data or prompts file named by mistake), or, where OUTPUT is not a result,
+    the .md or .png beside it (a user's notes). None when nothing else is in the way: an earlier
+    result and its two siblings are replaced."""
+    out = Path(output)
+    if out.is_file():
+        return None if is_result(out) else f"{out} exists and is not an eval result; writing would replace it"
+    taken = [str(p) for p in (out.with_suffix(".md"), out.with_suffix(".png")) if p.exists()]
+    if taken:
+        return (f"{' and '.join(taken)} exist{'s' if len(taken) == 1 else ''} beside it and no eval wrote "
+                f"{'it' if len(taken) == 1 else 'them'} (there is no {out.name}); writing would replace "
+                f"{'it' if len(taken) == 1 else 'them'}")
+    return None
+
+
 def write_outputs(result: dict, output: str | Path) -> list[Path]:
     """OUTPUT (JSON), OUTPUT with .md (summary) and OUTPUT with .png (histogram)."""
     out = Path(output)
