@@ -116,6 +116,13 @@ def test_a_target_given_alone_is_checked_before_anything_is_said_or_made(monkeyp
     assert err.startswith(f"dflash-train train: output_dir {file}: {file} is a file, not a folder: choose a folder you "
                           f"can write in; target.path {absent}: no such folder")
     assert (tmp_path / "a-file").read_text() == "mine"
+    project = tmp_path / "project"  # a folder of the user's whose config.yaml a run would replace
+    project.mkdir()
+    (project / "config.yaml").write_text("# mine\n")
+    assert cli.main(["train", f"target.path={TINY}", "--output-dir", str(project)]) == 2
+    assert f"output_dir {project} holds config.yaml, which a run writes, and no run has used it" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in project.iterdir()) == ["config.yaml"]
 
 
 @pytest.mark.slow

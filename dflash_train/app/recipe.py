@@ -52,7 +52,7 @@ from dflash_train.engine.decode import kv_bytes_per_row
 from dflash_train.eval import evaluate, results
 from dflash_train.eval.during_training import DuringTraining
 from dflash_train.train.checkpoint import list_checkpoints
-from dflash_train.train.loop import train
+from dflash_train.train.loop import run_folder_problem, train
 
 QUALITY_TRAIN_ARGS: tuple[str, ...] = (
     "drafter.num_layers=5", "data.max_length=2048", "data.token_budget=16384", "data.max_batch_size=64",
@@ -261,6 +261,8 @@ def check_own_data(plan: Recipe) -> None:
     replies are written through."""
     problem = folder_problem(plan.output_dir)
     problems = [f"output_dir {plan.output_dir}: {problem}: choose a folder you can write in"] if problem else []
+    replaced = run_folder_problem(plan.output_dir, with_data_cache=True)
+    problems += [replaced] if replaced else []
     problems += problems_of(lambda: check_chat_target(plan.target))
     if problems:
         raise InputError("; ".join(problems))

@@ -100,11 +100,9 @@ def check_inputs(cfg: Config) -> None:
         problems.append(f"output_dir {cfg.output_dir} is inside data.paths folder {folder}: the run's files there "
                         f"(validation.jsonl: its held-out conversations; metrics.jsonl) would be read as data by the "
                         f"next run; choose an output_dir outside it")
-    replaced = outputs_no_run_wrote(Path(cfg.output_dir), with_data_cache=not cfg.data.cache_dir)
-    if replaced:
-        problems.append(f"output_dir {cfg.output_dir} holds {', '.join(replaced)}, which a run writes, and no run "
-                        f"has used it (no {RUN_LOCK}): a run there would replace them; choose a new or empty "
-                        f"output_dir")
+    problem = run_folder_problem(cfg.output_dir, with_data_cache=not cfg.data.cache_dir)
+    if problem:
+        problems.append(problem)
     paths = cfg.data.paths
     if BUNDLED_DATA in paths and len(paths) > 1:
         problems.append(f"data.paths: '{BUNDLED_DATA}' cannot be mixed with files")
@@ -771,14 +769,20 @@ def data_folders_holding(paths: list[str], out: Path) -> list[str]:
             and where.is_relative_to(Path(path).expanduser().resolve())]
 
 
-def outputs_no_run_wrote(out: Path, with_data_cache: bool) -> list[str]:
-    """The entries of folder `out` that a run would write over where no run has held it (no
-    RUN_LOCK): a folder of the user's (`output_dir=.`) whose config.yaml or validation.jsonl,
-    say, are theirs. Empty when `out` is new, or a run's folder (resumed or trained further)."""
+def run_folder_problem(output_dir: str, with_data_cache: bool) -> str | None:
+    """Where a run in `output_dir` would write over files no run wrote: the folder exists, no run
+    has held it (no RUN_LOCK), and it holds entries a run writes (a folder of the user's given as
+    `output_dir=.`, its config.yaml or validation.jsonl theirs). None for a new folder, one holding
+    other files only, or a run's own (resumed or trained further)."""
+    out = Path(output_dir)
     if not out.is_dir() or (out / RUN_LOCK).exists():
-        return []
+        return None
     names = RUN_OUTPUTS + (("data",) if with_data_cache else ())
-    return [name for name in names if (out / name).exists()]
+    taken = [name for name in names if (out / name).exists()]
+    if not taken:
+        return None
+    return (f"output_dir {output_dir} holds {', '.join(taken)}, which a run writes, and no run has used it (no "
+            f"{RUN_LOCK}): a run there would replace them; choose a new or empty output_dir")
 
 
 def train(cfg: Config, log=print, evaluation: Evaluation | None = None) -> Path | None:
