@@ -318,6 +318,12 @@ def is_prepared_folder(path: Path) -> bool:
         return False
 
 
+def source_location(source: str) -> tuple[str, str]:
+    """(file, line) of a prepared sample's `source` value ("file:line"; the file may hold colons)."""
+    file, _, line = str(source).rpartition(":")
+    return file, line
+
+
 def records_at(sources: Iterable[str]) -> list[Record]:
     """The records named by prepared samples' `source` values ("file:line"), read back from
     their files in the order given, each once; a source whose file or line no longer holds a
@@ -325,7 +331,7 @@ def records_at(sources: Iterable[str]) -> list[Record]:
     wanted: dict[str, set[int]] = {}
     order: list[tuple[str, int]] = []
     for source in dict.fromkeys(sources):
-        file, _, line = str(source).rpartition(":")
+        file, line = source_location(source)
         if file and line.isdigit():
             wanted.setdefault(file, set()).add(int(line))
             order.append((file, int(line)))
@@ -446,8 +452,7 @@ def _sources_in(dataset, report: dict, files: list[Path]):
     if old == new or len(old) != len(new) or "source" not in dataset.column_names:
         return dataset, report
     moved = dict(zip(old, new))
-    sources = [f"{moved.get(file, file)}:{line}" for file, _, line in
-               (str(source).rpartition(":") for source in dataset["source"])]
+    sources = [f"{moved.get(file, file)}:{line}" for file, line in map(source_location, dataset["source"])]
     dataset = dataset.remove_columns("source").add_column("source", sources)
     return dataset, {**report, "files": [str(p) for p in files], "resolved_files": new}
 

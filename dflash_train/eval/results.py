@@ -299,11 +299,11 @@ def outputs_problem(output: str | Path) -> str | None:
     if out.is_file():
         return None if is_result(out) else f"{out} exists and is not an eval result; writing would replace it"
     taken = [str(p) for p in (out.with_suffix(".md"), out.with_suffix(".png")) if p.exists()]
-    if taken:
-        return (f"{' and '.join(taken)} exist{'s' if len(taken) == 1 else ''} beside it and no eval wrote "
-                f"{'it' if len(taken) == 1 else 'them'} (there is no {out.name}); writing would replace "
-                f"{'it' if len(taken) == 1 else 'them'}")
-    return None
+    if not taken:
+        return None
+    verb, them = ("exists", "it") if len(taken) == 1 else ("exist", "them")
+    return (f"{' and '.join(taken)} {verb} beside it and no eval wrote {them} (there is no {out.name}); "
+            f"writing would replace {them}")
 
 
 def write_outputs(result: dict, output: str | Path) -> list[Path]:

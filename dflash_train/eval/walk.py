@@ -328,7 +328,7 @@ class Walker:
 def file_labels(sources: list[str]) -> list[str]:
     """Each sample's data file, from prepare's `source` column ("file:line"): the file's name, or
     its whole path where two files of the data share a name."""
-    paths = [str(source).rpartition(":")[0] for source in sources]
+    paths = [preparation.source_location(source)[0] for source in sources]
     names: dict[str, set[str]] = {}
     for path in dict.fromkeys(paths):
         names.setdefault(Path(path).name, set()).add(path)

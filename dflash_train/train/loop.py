@@ -51,6 +51,7 @@ from dflash_train.data import chat_files, preparation
 from dflash_train.data.batching import BatchPlan, BatchStream, conversation_keys, one_version_each, validation_split
 from dflash_train.data.preparation import LOOP_REPEATS, without_loop_tails
 from dflash_train.train.checkpoint import (
+    CHECKPOINTS,
     DRAFTER_CONFIG,
     SHARDED,
     BestCheckpoint,
@@ -72,6 +73,7 @@ from dflash_train.train.metrics import (
     Accumulator,
     MetricsSink,
     NullSink,
+    WandbRun,
     StageTimer,
     peak_memory_gib,
     quiet_progress_bars,
@@ -757,8 +759,8 @@ def warm_up(run: Run) -> None:
 
 RUN_LOCK = ".dflash-train.lock"  # in the run folder: held by the run's first process, left there after it
 # What a run writes in its folder (data: the prepared cache, unless data.cache_dir puts it elsewhere).
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", VALIDATION_FILE, "eval.json", "checkpoints",
-               "drafter", "plots", "tensorboard", "wandb", "wandb_id")
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", VALIDATION_FILE, "eval.json", CHECKPOINTS,
+               "drafter", "plots", "tensorboard", "wandb", WandbRun.ID_FILE)
 
 
 def data_folders_holding(paths: list[str], out: Path) -> list[str]:
