@@ -73,8 +73,8 @@ from dflash_train.train.metrics import (
     Accumulator,
     MetricsSink,
     NullSink,
-    WandbRun,
     StageTimer,
+    WandbRun,
     peak_memory_gib,
     quiet_progress_bars,
 )
