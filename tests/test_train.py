@@ -347,6 +347,60 @@ def test_a_time_boxed_run_ends_its_schedule_where_its_time_runs_out(tmp_path, mo
     assert max(again) == 19 and [again[n]["lr"] for n in range(9, 20)] == [records[n]["lr"] for n in range(9, 20)]
 
 
+def test_a_fitted_warmup_only_shortens_a_warmup_under_way_and_never_ends_before_the_next_step():
+    from dflash_train.train.step import LrSchedule
+
+    schedule = LrSchedule(4300, 0.04, 0.0)  # 172 steps of warm-up
+    assert schedule.fitted_warmup(3748, 50) == 150  # make train's fit: 4% of 3,748
+    assert schedule.fitted_warmup(1000, 50) == 51 and schedule.fitted_warmup(1000, 10) == 40
+    assert schedule.fitted_warmup(9000, 50) == 172  # a longer schedule never lengthens it
+    assert schedule.fitted_warmup(100, 172) == 172 and schedule.fitted_warmup(100, 500) == 172  # warmed up
+
+
+def test_a_schedule_fitted_while_it_warms_up_warms_up_over_its_share_of_the_fitted_steps(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A warm-up of half the schedule (200 of 400 steps) when the time box holds 57 steps: the fit
+    after step 10 makes the cosine end at step 57 and the warm-up half of that (29 steps), so the
+    rate peaks at step 29, not never; a run stopped at step 47 and resumed (its own time box then
+    ends it before it fits again) keeps that warm-up and gives the same rates."""
+    from types import SimpleNamespace
+
+    from dflash_train.train import control
+    from dflash_train.train.step import LrSchedule
+
+    clock = [0.0]
+    monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(control, "FIT_FROM_STEPS", 2)
+    monkeypatch.setattr(control, "FIT_AFTER_STEPS", 10)
+    agree = control.Control.agree
+
+    def one_second_a_step(self, step, result=None):
+        clock[0] += 1.0
+        return agree(self, step, result)
+
+    monkeypatch.setattr(control.Control, "agree", one_second_a_step)
+    overrides = ["train.max_steps=400", "train.max_time_s=60", "optim.warmup_ratio=0.5", "checkpoint.every=100"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train_drafter(build(load_config(TINY, [f"output_dir={whole}", *overrides])))
+    assert "the learning rate's schedule and the run now end at step 57 of 400, its warm-up at step 29" in \
+        capsys.readouterr().out
+    records = {r["step"]: r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines())}
+    lr, planned, fitted = load_config(TINY).optim.lr, LrSchedule(400, 0.5, 0.0), LrSchedule(400, 0.5, 0.0)
+    fitted.end, fitted.warmup = 57, 29
+    assert max(records) == 57 and records[9]["lr"] == pytest.approx(lr * planned(9))
+    assert all(records[n]["lr"] == pytest.approx(lr * fitted(n)) for n in range(10, 58))
+    assert records[28]["lr"] == pytest.approx(lr) and records[57]["lr"] == 0.0
+    assert max(r["lr"] for r in records.values()) > 0.99 * lr > 0.5 * lr > lr * planned(56)
+
+    first = build(load_config(TINY, [f"output_dir={resumed}", *overrides, "faults.sigterm_at_steps=[47]"]))
+    train_drafter(first)
+    assert first.steps_done == 47 and (first.control.end, first.control.warmup) == (57, 29)
+    clock[0] = 0.0
+    train_drafter(build(load_config(TINY, [f"output_dir={resumed}", *overrides])))
+    again = {r["step"]: r for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())}
+    assert max(again) == 57 and [again[n]["lr"] for n in range(9, 58)] == [records[n]["lr"] for n in range(9, 58)]
+
+
 def test_the_fit_to_time_takes_the_slowest_drafter_ranks_pace_and_gives_the_schedule_back(monkeypatch):
     """Control.fit_to_time alone: the pace agreed over the drafter ranks is the slowest (max); a
     later fit, at a faster pace, gives the schedule its own end back when its steps fit again;

@@ -235,7 +235,9 @@ class TrainSection:
     """With max_time_s: where the steps left to the schedule (max_steps or epochs) will not fit
     the time left, the learning rate's cosine is made to end, and the run with it, at the step the
     time is measured to reach (after 50 steps of this process, again every 500), so a run cut by
-    time ends with its rate decayed. false: the schedule of max_steps, cut where time runs out."""
+    time ends with its rate decayed; a warm-up still under way then takes optim.warmup_ratio of the
+    fitted steps (never ending before the next step). false: the schedule of max_steps, cut where
+    time runs out."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     seed: int = 0

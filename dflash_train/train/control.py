@@ -77,6 +77,7 @@ class Control:
         self.failure_streak = 0  # failed micro-batches in a row, in global index order
         self.stopping_skips = 0  # the streak that made this rank ask for a non-finite stop
         self.end: int | None = None  # the step the schedule was fitted to end at (fit_to_time)
+        self.warmup: int | None = None  # the warm-up's length a fit shortened (LrSchedule.fitted_warmup)
         self.first_step: int | None = None  # this process's first step
         self.paced_from: tuple[int, float] | None = None  # (step, clock) the pace is measured from
 
@@ -183,13 +184,14 @@ class Control:
 
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "total_skipped": self.total_skipped,
-                "failure_streak": self.failure_streak, "end": self.end}
+                "failure_streak": self.failure_streak, "end": self.end, "warmup": self.warmup}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_skips = state["consecutive_skips"]
         self.total_skipped = state["total_skipped"]
         self.failure_streak = state["failure_streak"]
         self.end = state.get("end")  # absent from checkpoints written before the schedule's fit
+        self.warmup = state.get("warmup")  # ... and before the warm-up's
 
 
 class DeferredSkips:

@@ -493,10 +493,15 @@ def fit_schedule(run: Run, n: int, sink) -> None:
     end = run.control.fit_to_time(n, run.total_steps)
     if end is None:
         return
-    run.step.end_schedule_at(end)
+    warmup = run.step.schedule.fitted_warmup(end, n)
+    shortened = warmup < run.step.schedule.warmup
+    if shortened:
+        run.control.warmup = warmup
+    run.step.end_schedule_at(end, warmup)
     sink.end_at(end)
     sink.event(f"train.max_time_s={run.cfg.train.max_time_s:g}: at this pace, the learning rate's schedule and the "
-               f"run now end at step {end} of {run.total_steps}" if end < run.total_steps else
+               f"run now end at step {end} of {run.total_steps}"
+               f"{f', its warm-up at step {warmup}' if shortened else ''}" if end < run.total_steps else
                f"train.max_time_s={run.cfg.train.max_time_s:g}: at this pace, the schedule's {run.total_steps} steps "
                f"fit again")
 
@@ -506,7 +511,7 @@ def begin(run: Run) -> None:
     resume(run)
     end = run.control.resumed(run.steps_done)
     if run.step is not None:
-        run.step.end_schedule_at(min(end or run.total_steps, run.total_steps))
+        run.step.end_schedule_at(min(end or run.total_steps, run.total_steps), run.control.warmup)
     warm_up(run)  # resumed or not: compiled shapes, and on CUDA the target's graphs
     if run.dist.is_leader:  # after resume: a refused checkpoint leaves the folder as it was
         run.out.mkdir(parents=True, exist_ok=True)

@@ -62,12 +62,24 @@ class StepResult:
 class LrSchedule:
     """The learning rate's factor at a step: a linear warm-up over warmup_ratio of the schedule's
     `total_steps`, then a cosine to min_lr_ratio at `end` (the schedule's last step, or an
-    earlier one where train.max_time_s ends the run first: Control.fit_to_time), flat after it."""
+    earlier one where train.max_time_s ends the run first: Control.fit_to_time), flat after it.
+    A schedule fitted to end earlier while it still warms up warms up over warmup_ratio of the
+    fitted schedule instead (fitted_warmup)."""
 
     def __init__(self, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> None:
+        self.warmup_ratio = warmup_ratio
         self.warmup = math.ceil(warmup_ratio * total_steps)
         self.min_lr_ratio = min_lr_ratio
         self.end = total_steps
+
+    def fitted_warmup(self, end: int, step: int) -> int:
+        """The warm-up's length once the schedule ends at `end`, fitted after step `step` (the
+        step to come is `step`'s rate): warmup_ratio of `end` where the warm-up is still under way
+        and that is shorter, never ending before the step to come (so the rate does not jump to
+        the peak), never longer than it was; else the warm-up as it is."""
+        if step >= self.warmup:
+            return self.warmup
+        return max(step + 1, min(self.warmup, math.ceil(self.warmup_ratio * end)))
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -126,10 +138,12 @@ class DrafterStep:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
 
-    def end_schedule_at(self, step: int) -> None:
-        """The cosine made to end at `step` (Control.fit_to_time), the rate of the step to come
-        set from it."""
+    def end_schedule_at(self, step: int, warmup: int | None = None) -> None:
+        """The cosine made to end at `step` (Control.fit_to_time), with a warm-up of `warmup`
+        steps where given (LrSchedule.fitted_warmup), the rate of the step to come set from them."""
         self.schedule.end = step
+        if warmup is not None:
+            self.schedule.warmup = warmup
         self._rates_from_schedule()
 
     def _rates_from_schedule(self) -> None:
