@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +20,10 @@ from dflash_train.app import cli
 from dflash_train.core import assets
 from dflash_train.core.config import load_config
 from dflash_train.core.drafter import DFlashDrafter
+from dflash_train.train import control
 from dflash_train.train.control import TrainingStopped
 from dflash_train.train.loop import build, train_drafter
+from dflash_train.train.step import LrSchedule
 
 
 def train_cmd(out: Path, *overrides: str) -> list[str]:
@@ -301,28 +304,30 @@ def test_max_time_ends_the_run_at_a_step_boundary_with_a_checkpoint_and_export(t
         load_config(str(TINY), ["train.max_time_s=0"])
 
 
-def test_a_time_boxed_run_ends_its_schedule_where_its_time_runs_out(tmp_path, monkeypatch, capsys):
-    """train.max_time_s with 400 steps that cannot fit (the fit's steps scaled down 5 times): 10
-    steps into the run, the pace from step 2 on (1 s a step on a clock that moves one second a
-    step) says that 9 more steps fit 95% of the 10 s left, so the cosine ends at step 19, and the
-    run with it: its rate decayed, saved, exported, said. A run stopped by a signal at step 15 and
-    resumed keeps that end and the same rates."""
-    from types import SimpleNamespace
-
-    from dflash_train.train import control
-    from dflash_train.train.step import LrSchedule
-
+def one_second_a_step(monkeypatch) -> list[float]:
+    """Control's clock made to move one second a step (read by the returned list; set [0] to
+    restart it), the schedule's pace measured from step 2 and first fitted 10 steps in."""
     clock = [0.0]
     monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(control, "FIT_FROM_STEPS", 2)
     monkeypatch.setattr(control, "FIT_AFTER_STEPS", 10)
     agree = control.Control.agree
 
-    def one_second_a_step(self, step, result=None):
+    def step_and_tick(self, step, result=None):
         clock[0] += 1.0
         return agree(self, step, result)
 
-    monkeypatch.setattr(control.Control, "agree", one_second_a_step)
+    monkeypatch.setattr(control.Control, "agree", step_and_tick)
+    return clock
+
+
+def test_a_time_boxed_run_ends_its_schedule_where_its_time_runs_out(tmp_path, monkeypatch, capsys):
+    """train.max_time_s with 400 steps that cannot fit (the fit's steps scaled down 5 times): 10
+    steps into the run, the pace from step 2 on (1 s a step on a clock that moves one second a
+    step) says that 9 more steps fit 95% of the 10 s left, so the cosine ends at step 19, and the
+    run with it: its rate decayed, saved, exported, said. A run stopped by a signal at step 15 and
+    resumed keeps that end and the same rates."""
+    clock = one_second_a_step(monkeypatch)
     overrides = ["train.max_steps=400", "train.max_time_s=20", "optim.warmup_ratio=0.01", "checkpoint.every=100"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     train_drafter(build(load_config(TINY, [f"output_dir={whole}", *overrides])))
@@ -348,8 +353,6 @@ def test_a_time_boxed_run_ends_its_schedule_where_its_time_runs_out(tmp_path, mo
 
 
 def test_a_fitted_warmup_only_shortens_a_warmup_under_way_and_never_ends_before_the_next_step():
-    from dflash_train.train.step import LrSchedule
-
     schedule = LrSchedule(4300, 0.04, 0.0)  # 172 steps of warm-up
     assert schedule.fitted_warmup(3748, 50) == 150  # make train's fit: 4% of 3,748
     assert schedule.fitted_warmup(1000, 50) == 51 and schedule.fitted_warmup(1000, 10) == 40
@@ -363,22 +366,7 @@ def test_a_schedule_fitted_while_it_warms_up_warms_up_over_its_share_of_the_fitt
     after step 10 makes the cosine end at step 57 and the warm-up half of that (29 steps), so the
     rate peaks at step 29, not never; a run stopped at step 47 and resumed (its own time box then
     ends it before it fits again) keeps that warm-up and gives the same rates."""
-    from types import SimpleNamespace
-
-    from dflash_train.train import control
-    from dflash_train.train.step import LrSchedule
-
-    clock = [0.0]
-    monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(control, "FIT_FROM_STEPS", 2)
-    monkeypatch.setattr(control, "FIT_AFTER_STEPS", 10)
-    agree = control.Control.agree
-
-    def one_second_a_step(self, step, result=None):
-        clock[0] += 1.0
-        return agree(self, step, result)
-
-    monkeypatch.setattr(control.Control, "agree", one_second_a_step)
+    clock = one_second_a_step(monkeypatch)
     overrides = ["train.max_steps=400", "train.max_time_s=60", "optim.warmup_ratio=0.5", "checkpoint.every=100"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     train_drafter(build(load_config(TINY, [f"output_dir={whole}", *overrides])))
@@ -405,10 +393,7 @@ def test_the_fit_to_time_takes_the_slowest_drafter_ranks_pace_and_gives_the_sche
     """Control.fit_to_time alone: the pace agreed over the drafter ranks is the slowest (max); a
     later fit, at a faster pace, gives the schedule its own end back when its steps fit again;
     without a time box or with train.fit_schedule_to_time=false nothing is fitted."""
-    from types import SimpleNamespace
-
     from dflash_train.core.config import TrainSection
-    from dflash_train.train import control
 
     clock = [0.0]
     monkeypatch.setattr(control, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
