@@ -75,8 +75,9 @@ class LrSchedule:
     def fitted_warmup(self, end: int, step: int) -> int:
         """The warm-up's length once the schedule ends at `end`, fitted after step `step` (the
         step to come is `step`'s rate): warmup_ratio of `end` where the warm-up is still under way
-        and that is shorter, never ending before the step to come (so the rate does not jump to
-        the peak), never longer than it was; else the warm-up as it is."""
+        and that is shorter, never longer than it was, and never ending before the step to come
+        (whose rate is then the peak: the cosine is not entered part way down); else the warm-up
+        as it is."""
         if step >= self.warmup:
             return self.warmup
         return max(step + 1, min(self.warmup, math.ceil(self.warmup_ratio * end)))
