@@ -199,6 +199,30 @@ def test_an_output_of_something_else_is_refused_and_left_as_it_was(tmp_path, wri
     assert seeded.read_bytes() == before
 
 
+def test_a_resume_with_other_options_that_shape_the_records_is_refused_and_left_as_it_was(tmp_path, writer_target):
+    """Each record keeps the options that shape it (by flag); a rerun into the same --out with
+    another of them is refused in one line naming the flag, the file untouched; the options that
+    do not shape the records (the batch) resume it, and so does a file written before records
+    kept them."""
+    out = tmp_path / "own.jsonl"
+    first = run(out, writer_target, limit=2)
+    assert first[0]["written_with"] == {"turns": 3, "system-share": 0.5, "temperature": 1.0, "top-p": 0.95,
+                                        "max-prompt-tokens": 24, "max-new-tokens": 8, "max-length": 256,
+                                        "near-duplicate": 0.9}
+    before = out.read_bytes()
+    for changed, said in (({"temperature": 0.7}, "--temperature 1.0, where this command has 0.7"),
+                          ({"max_turns": 2}, "--turns 3, where this command has 2"),
+                          ({"max_length": 300}, "--max-length 256, where this command has 300")):
+        with pytest.raises(InputError, match=f"own.jsonl:1: written with {said}; the same command resumes only"):
+            run(out, writer_target, limit=4, **changed)
+        assert out.read_bytes() == before
+    whole = run(tmp_path / "whole.jsonl", writer_target, limit=4)
+    assert run(out, writer_target, limit=4, batch_size=3) == whole
+    older = tmp_path / "older.jsonl"
+    older.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "written_with"}) + "\n" for r in first))
+    assert [r["conversations"] for r in run(older, writer_target, limit=4)] == [r["conversations"] for r in whole]
+
+
 def test_turn_filters():
     assert turn_problem("What is the capital of France?", stopped=True) is None
     assert turn_problem("What is the capital of", stopped=False) == "truncated"

@@ -121,6 +121,15 @@ class TargetPromptOptions:
 
 # The `data source` flag of an option whose name differs from it (problems name the flag)
 FLAG_OF = {"max_turns": "turns"}
+# The options that shape the records (the rest only say how fast or how long they are written): each
+# record keeps them (`written_with`, by flag), and a resumed run with others is refused
+RECORD_OPTIONS = ("max_turns", "system_share", "temperature", "top_p", "max_prompt_tokens", "max_new_tokens",
+                  "max_length", "near_duplicate")
+
+
+def written_with(options: TargetPromptOptions) -> dict:
+    """The options that shape the records, by their `data source` flag (a record's `written_with`)."""
+    return {FLAG_OF.get(name, name).replace("_", "-"): getattr(options, name) for name in RECORD_OPTIONS}
 
 
 @dataclass
@@ -363,17 +372,21 @@ def first_user(c: Conversation) -> str:
     return next(m["content"] for m in c.messages if m["role"] == "user")
 
 
-def record_of(c: Conversation, seed: int) -> dict:
+def record_of(c: Conversation, options: TargetPromptOptions) -> dict:
     roles = {"system": "system", "user": "human", "assistant": "gpt"}
     turns = [{"from": roles[m["role"]], "value": m["content"], **({"unfinished": True} if m.get("unfinished") else {})}
              for m in c.messages]
-    return {"id": f"{SOURCE}:{seed}:{c.index}", "source": SOURCE, "conversations": turns}
+    return {"id": f"{SOURCE}:{options.seed}:{c.index}", "source": SOURCE, "conversations": turns,
+            "written_with": written_with(options)}
 
 
-def resume_state(out: Path, seed: int) -> tuple[int, list[dict]]:
+def resume_state(out: Path, options: TargetPromptOptions) -> tuple[int, list[dict]]:
     """(next candidate index, the records already written) of an earlier run into `out`; a
     torn last line (a killed run) is ignored here and cut when the file is next written. A file
-    that holds anything but this source's records of this seed is refused, untouched."""
+    that holds anything but this source's records of this seed, or records written with other
+    options that shape them (written_with; records without it are taken as they are), is refused,
+    untouched."""
+    seed, settings = options.seed, json.loads(json.dumps(written_with(options)))
     if not out.exists():
         return 0, []
     records, data = [], out.read_bytes()
@@ -389,12 +402,25 @@ def resume_state(out: Path, seed: int) -> tuple[int, list[dict]]:
             kind, record_seed, index = record["id"].rsplit(":", 2)
         except (ValueError, KeyError, AttributeError, TypeError):
             record = kind = None
-        if record is None or kind != SOURCE or record.get("source") != SOURCE or int(record_seed) != seed:
+        if record is None or kind != SOURCE or record.get("source") != SOURCE or int(record_seed) != seed or \
+                not isinstance(record.get("written_with", settings), dict):
             raise InputError(f"--out {out}:{number}: not a {SOURCE} record of --seed {seed}; the same command "
                              f"resumes only its own output: choose another --out")
+        other = other_option(record.get("written_with", settings), settings)
+        if other:
+            raise InputError(f"--out {out}:{number}: written with --{other[0]} {other[1]}, where this command has "
+                             f"{other[2]}; the same command resumes only its own output: give the same options or "
+                             f"choose another --out")
         records.append(record)
     last = int(records[-1]["id"].rsplit(":", 1)[1]) if records else -1
     return last + 1, records
+
+
+def other_option(written: dict, settings: dict) -> tuple[str, object, object] | None:
+    """The first option whose value a record was written with (`written`) differs from this
+    run's (`settings`): (flag, its value then, its value now); None when all agree."""
+    return next(((flag, written.get(flag), value) for flag, value in settings.items() if written.get(flag) != value),
+                None)
 
 
 def append_records(out: Path, records: list[dict]) -> None:
@@ -433,7 +459,7 @@ def write_target_prompts(target: str, out: str | Path, options: TargetPromptOpti
 
 def _write_owned(target: str, out: Path, options: TargetPromptOptions, model, tokenizer, log) -> dict:
     """write_target_prompts once its checks passed and it owns `out`: resumed, then written."""
-    first, done = resume_state(out, options.seed)
+    first, done = resume_state(out, options)
     target_dir = resolve_target_path(target, "--target")
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
     template = Template(tokenizer, str(target))
@@ -491,7 +517,7 @@ def write_chunks(writer: Writer, dedup: Deduplicator, out: Path, first: int, log
         chunk = chunk_size(full, need, counts["kept"], counts["candidates"])
         written = writer.write(writer.candidates(first, chunk), dedup)
         kept = written[:need]
-        append_records(out, [record_of(c, options.seed) for c in kept])
+        append_records(out, [record_of(c, options) for c in kept])
         counts["kept"] += len(kept)
         # Past the chunk, or (the limit reached inside it) past its last record written.
         counts["candidates"] = first = kept[-1].index + 1 if len(written) > need else first + chunk
