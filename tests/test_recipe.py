@@ -491,6 +491,10 @@ def test_the_cache_file_is_named_by_target_data_and_settings(monkeypatch, tmp_pa
     assert "-cut" not in own.target_prompt_path().name and own.prompt_max_tokens == 512
     assert replace(own, prompt_max_tokens=128).target_prompt_path().name == \
         own.target_prompt_path().name.replace("-new", "-cut128-new")
+    # ... and so does the prompt limit (their conversations' length), so that no resume is refused for it
+    assert "-prompt1024" not in own.target_prompt_path().name and own.max_prompt_length == recipe.MAX_PROMPT_LENGTH
+    assert replace(own, max_prompt_length=1728).target_prompt_path().name == \
+        own.target_prompt_path().name.replace("-new", "-prompt1728-new")
     # on a CPU a written turn is cut so that, with its answer, it leaves room for another written turn
     cpu = Recipe.own_data("/models/Qwen3 8B", "cpu")
     assert 2 * cpu.prompt_max_tokens + cpu.max_new_tokens <= cpu.max_prompt_length + cpu.max_new_tokens

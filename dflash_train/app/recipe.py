@@ -94,6 +94,9 @@ CPU_TRAIN_ARGS: tuple[str, ...] = ("drafter.num_layers=1", "data.max_length=512"
 # A turn the target writes (its own conversations) that has not ended within this many tokens is
 # dropped: target_prompts' own default, named in the file of the conversations when it differs
 PROMPT_MAX_TOKENS = target_prompts.TargetPromptOptions.max_prompt_tokens
+# A turn whose prompt passes this many tokens is not answered (the chats, the sources), and the target's
+# own conversations take no turn past it and its answer; their file is named by it where it differs
+MAX_PROMPT_LENGTH = 1024
 MIN_GPU_GIB = 32.0  # above the recipe's training peak (docs/QUALITY.md)
 # The target's own conversations are written beside the other data stages where two copies of its
 # weights take at most this share of the GPU's memory (SmolLM2-135M: 0.3 GB, Qwen2.5-0.5B: 1 GB)
@@ -119,7 +122,7 @@ class Recipe:
     prompt_max_tokens: int = PROMPT_MAX_TOKENS  # a written turn not ended within this many tokens is dropped
     data_dir: str | None = None  # where the data is made; None: the asset cache (shared by runs)
     max_new_tokens: int = 320
-    max_prompt_length: int = 1024
+    max_prompt_length: int = MAX_PROMPT_LENGTH
     regen_batch_size: int = 1024
     regen_temperature: float = 0.0
     reply_samples: int = 0
@@ -195,8 +198,10 @@ class Recipe:
         """The target's own conversations, named by the target and the settings that make them."""
         name = _slug(self.target.removeprefix("bundled:"))
         cut = "" if self.prompt_max_tokens == PROMPT_MAX_TOKENS else f"-cut{self.prompt_max_tokens}"
+        length = "" if self.max_prompt_length == MAX_PROMPT_LENGTH else f"-prompt{self.max_prompt_length}"
         return self.data_root() / (f"{name}-target-prompts-turns{self.prompt_turns}-sys{self.prompt_system_share:g}"
-                                   f"-t{self.prompt_temperature:g}-p{self.prompt_top_p:g}{cut}-new{self.max_new_tokens}.jsonl")
+                                   f"-t{self.prompt_temperature:g}-p{self.prompt_top_p:g}{cut}{length}"
+                                   f"-new{self.max_new_tokens}.jsonl")
 
     def regenerated_path(self) -> Path:
         if self.regenerated is not None:
