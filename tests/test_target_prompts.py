@@ -221,6 +221,12 @@ def test_a_resume_with_other_options_that_shape_the_records_is_refused_and_left_
     older = tmp_path / "older.jsonl"
     older.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "written_with"}) + "\n" for r in first))
     assert [r["conversations"] for r in run(older, writer_target, limit=4)] == [r["conversations"] for r in whole]
+    fewer = tmp_path / "fewer.jsonl"  # records that kept fewer options: those they name are checked
+    fewer.write_text("".join(json.dumps({**r, "written_with": {"turns": 3, "temperature": 1.0}}) + "\n"
+                             for r in first))
+    assert [r["conversations"] for r in run(fewer, writer_target, limit=4)] == [r["conversations"] for r in whole]
+    with pytest.raises(InputError, match="fewer.jsonl:1: written with --temperature 1.0, where this command has 0.5"):
+        run(fewer, writer_target, limit=5, temperature=0.5)
 
 
 def test_turn_filters():

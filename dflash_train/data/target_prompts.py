@@ -418,9 +418,10 @@ def resume_state(out: Path, options: TargetPromptOptions) -> tuple[int, list[dic
 
 def other_option(written: dict, settings: dict) -> tuple[str, object, object] | None:
     """The first option whose value a record was written with (`written`) differs from this
-    run's (`settings`): (flag, its value then, its value now); None when all agree."""
-    return next(((flag, written.get(flag), value) for flag, value in settings.items() if written.get(flag) != value),
-                None)
+    run's (`settings`): (flag, its value then, its value now); None when all agree. An option the
+    record does not name (written before it was kept) is taken as it is."""
+    return next(((flag, written[flag], value) for flag, value in settings.items()
+                 if flag in written and written[flag] != value), None)
 
 
 def append_records(out: Path, records: list[dict]) -> None:
