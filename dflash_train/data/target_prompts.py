@@ -100,7 +100,7 @@ class TargetPromptOptions:
         p = []
         for name in ("limit", "max_turns", "max_prompt_tokens", "max_new_tokens", "max_length", "batch_size"):
             if getattr(self, name) < 1:
-                p.append(f"--{FLAG_OF.get(name, name).replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                p.append(f"--{flag_of(name)} must be >= 1, got {getattr(self, name)}")
         if not self.temperature > 0:
             p.append(f"--temperature must be > 0: the target writes varied prompts only when it samples, "
                      f"got {self.temperature}")
@@ -121,6 +121,12 @@ class TargetPromptOptions:
 
 # The `data source` flag of an option whose name differs from it (problems name the flag)
 FLAG_OF = {"max_turns": "turns"}
+
+
+def flag_of(name: str) -> str:
+    """The `data source` flag of option `name`, without its dashes."""
+    return FLAG_OF.get(name, name).replace("_", "-")
+
 # The options that shape the records (the rest only say how fast or how long they are written): each
 # record keeps them (`written_with`, by flag), and a resumed run with others is refused
 RECORD_OPTIONS = ("max_turns", "system_share", "temperature", "top_p", "max_prompt_tokens", "max_new_tokens",
@@ -129,7 +135,7 @@ RECORD_OPTIONS = ("max_turns", "system_share", "temperature", "top_p", "max_prom
 
 def written_with(options: TargetPromptOptions) -> dict:
     """The options that shape the records, by their `data source` flag (a record's `written_with`)."""
-    return {FLAG_OF.get(name, name).replace("_", "-"): getattr(options, name) for name in RECORD_OPTIONS}
+    return {flag_of(name): getattr(options, name) for name in RECORD_OPTIONS}
 
 
 @dataclass
@@ -386,7 +392,7 @@ def resume_state(out: Path, options: TargetPromptOptions) -> tuple[int, list[dic
     that holds anything but this source's records of this seed, or records written with other
     options that shape them (written_with; records without it are taken as they are), is refused,
     untouched."""
-    seed, settings = options.seed, json.loads(json.dumps(written_with(options)))
+    seed, settings = options.seed, written_with(options)
     if not out.exists():
         return 0, []
     records, data = [], out.read_bytes()
@@ -402,11 +408,12 @@ def resume_state(out: Path, options: TargetPromptOptions) -> tuple[int, list[dic
             kind, record_seed, index = record["id"].rsplit(":", 2)
         except (ValueError, KeyError, AttributeError, TypeError):
             record = kind = None
+        written = record.get("written_with", {}) if isinstance(record, dict) else None
         if record is None or kind != SOURCE or record.get("source") != SOURCE or int(record_seed) != seed or \
-                not isinstance(record.get("written_with", settings), dict):
+                not isinstance(written, dict):
             raise InputError(f"--out {out}:{number}: not a {SOURCE} record of --seed {seed}; the same command "
                              f"resumes only its own output: choose another --out")
-        other = other_option(record.get("written_with", settings), settings)
+        other = other_option(written, settings)
         if other:
             raise InputError(f"--out {out}:{number}: written with --{other[0]} {other[1]}, where this command has "
                              f"{other[2]}; the same command resumes only its own output: give the same options or "
